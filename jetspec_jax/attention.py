@@ -1,0 +1,69 @@
+"""Masked attention over a KV cache: the one interface verification, prefill and decode use.
+
+Layout (shared by every implementation):
+  q          [B, T, Hq, Dh]   queries of T new rows (a prompt chunk, one decode token, or N tree nodes)
+  k_cache    [B, Hkv, S, Dh]  keys; the T new rows' own keys are already written at
+  v_cache    [B, Hkv, S, Dh]  cache positions prefix_len[b] + t, t < T
+  prefix_len [B] int32        committed keys 0..prefix_len[b]-1 are visible to every query
+  block_mask [B, T, T] bool   block_mask[b, i, t]: query i may see new key t (position prefix_len[b]+t);
+                              the diagonal must be True (every row sees itself; padding rows too)
+  returns    [B, T, Hq, Dh]   in q.dtype; scores and softmax in float32; Hq = Hkv * group.
+
+Implementations: ``xla`` (reference, any backend) and ``pallas`` (the GPU kernel of
+``pallas_kernels.tree_attention``; ``pallas_interpret`` runs it on CPU).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jetspec_jax.errors import JetSpecError
+
+IMPLEMENTATIONS = ("xla", "pallas", "pallas_interpret")
+
+
+def default_implementation() -> str:
+  """``pallas`` on GPU, ``xla`` elsewhere."""
+  return "pallas" if jax.default_backend() == "gpu" else "xla"
+
+
+def visible_keys(prefix_len: jax.Array, block_mask: jax.Array, cache_len: int) -> jax.Array:
+  """Dense visibility [B, T, S] of cache positions for each query (XLA path and tests)."""
+  pos = jnp.arange(cache_len)[None, None, :]                       # [1, 1, S]
+  start = prefix_len[:, None, None]                                # [B, 1, 1]
+  in_prefix = pos < start
+  t_idx = pos - start                                               # index into the new block
+  num_new = block_mask.shape[-1]
+  in_block = (t_idx >= 0) & (t_idx < num_new)
+  gathered = jnp.take_along_axis(
+      block_mask, jnp.clip(t_idx, 0, num_new - 1).astype(jnp.int32).repeat(block_mask.shape[1], 1), axis=2)
+  return in_prefix | (in_block & gathered)
+
+
+def xla_attention(q, k_cache, v_cache, prefix_len, block_mask, *, sm_scale: float | None = None):
+  """Reference masked attention (see module docstring for shapes)."""
+  batch, num_q, num_heads, head_dim = q.shape
+  num_kv = k_cache.shape[1]
+  group = num_heads // num_kv
+  scale = head_dim ** -0.5 if sm_scale is None else sm_scale
+  qg = q.reshape(batch, num_q, num_kv, group, head_dim)
+  scores = jnp.einsum("btkgd,bksd->bkgts", qg, k_cache, preferred_element_type=jnp.float32) * scale
+  mask = visible_keys(prefix_len, block_mask, k_cache.shape[2])   # [B, T, S]
+  scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
+  probs = jax.nn.softmax(scores, axis=-1)
+  probs = jnp.where(mask[:, None, None], probs, 0.0)
+  out = jnp.einsum("bkgts,bksd->btkgd", probs.astype(v_cache.dtype), v_cache,
+                   preferred_element_type=jnp.float32)
+  return out.reshape(batch, num_q, num_heads, head_dim).astype(q.dtype)
+
+
+def attention(q, k_cache, v_cache, prefix_len, block_mask, *, impl: str = "xla",
+              sm_scale: float | None = None):
+  """Dispatch to an implementation by name (a static choice)."""
+  if impl == "xla":
+    return xla_attention(q, k_cache, v_cache, prefix_len, block_mask, sm_scale=sm_scale)
+  if impl in ("pallas", "pallas_interpret"):
+    from pallas_kernels import tree_attention as kernel
+    return kernel.tree_attention(q, k_cache, v_cache, prefix_len, block_mask, sm_scale=sm_scale,
+                                 interpret=impl == "pallas_interpret")
+  raise JetSpecError(f"unknown attention implementation {impl!r}; choose one of {', '.join(IMPLEMENTATIONS)}")

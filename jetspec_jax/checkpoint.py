@@ -1,0 +1,71 @@
+"""Atomic directories and orbax save/restore of weight dicts into their target shardings."""
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import uuid
+
+import jax
+import orbax.checkpoint as ocp
+
+from jetspec_jax.errors import JetSpecError
+from jetspec_jax.models.layers import ParamSpec
+from jetspec_jax.sharding import named_sharding
+
+
+@contextlib.contextmanager
+def atomic_directory(out_dir: str, overwrite: bool = False):
+  """Yield a temporary sibling directory; rename it to ``out_dir`` only if the block succeeds.
+
+  A failure (or interruption) leaves no ``out_dir`` and removes the temporary directory.
+  """
+  out_dir = os.path.abspath(out_dir)
+  if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)) and not overwrite:
+    raise JetSpecError(f"output directory already exists and is not empty: {out_dir} (use --overwrite)")
+  parent = os.path.dirname(out_dir)
+  os.makedirs(parent, exist_ok=True)
+  tmp = os.path.join(parent, f".{os.path.basename(out_dir)}.tmp-{uuid.uuid4().hex[:8]}")
+  os.makedirs(tmp)
+  try:
+    yield tmp
+  except BaseException:
+    shutil.rmtree(tmp, ignore_errors=True)
+    raise
+  if os.path.exists(out_dir):
+    shutil.rmtree(out_dir)
+  os.rename(tmp, out_dir)
+
+
+def save_params(path: str, params: dict[str, jax.Array]) -> None:
+  """Save a flat weight dict with orbax at ``path`` (which must not exist); blocks until done."""
+  checkpointer = ocp.StandardCheckpointer()
+  checkpointer.save(os.path.abspath(path), params)
+  checkpointer.wait_until_finished()
+
+
+def restore_params(path: str, specs: dict[str, ParamSpec], dtype, mesh=None) -> dict[str, jax.Array]:
+  """Restore the weights declared by ``specs`` from an orbax checkpoint, each in its sharding.
+
+  Names or shapes that differ from the declaration raise a JetSpecError naming the first one.
+  """
+  path = os.path.abspath(path)
+  if not os.path.isdir(path):
+    raise JetSpecError(f"checkpoint weights not found: {path}")
+  checkpointer = ocp.StandardCheckpointer()
+  stored = checkpointer.metadata(path).item_metadata.tree
+  missing = sorted(set(specs) - set(stored))
+  extra = sorted(set(stored) - set(specs))
+  if missing or extra:
+    what = f"is missing {missing[0]}" if missing else f"has an unexpected weight {extra[0]}"
+    raise JetSpecError(f"checkpoint {path} does not match its config: it {what} "
+                       f"({len(missing)} missing, {len(extra)} unexpected)")
+  for name, spec in specs.items():
+    if tuple(stored[name].shape) != spec.shape:
+      raise JetSpecError(f"checkpoint {path} does not match its config: {name} has shape "
+                         f"{tuple(stored[name].shape)}, the config implies {spec.shape}")
+  target = {name: jax.ShapeDtypeStruct(spec.shape, dtype or stored[name].dtype,
+                                       sharding=named_sharding(spec.axes, spec.shape, mesh)
+                                       or jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+            for name, spec in specs.items()}
+  return checkpointer.restore(path, target)

@@ -1,0 +1,270 @@
+"""Hugging Face <-> JetSpec-JAX weights: ONE mapping table, read forwards to import and backwards
+to export.
+
+Import streams tensors from (sharded) safetensors one at a time straight into their shardings
+(``jax.make_array_from_callback``: each process materialises only its own shards), so a model is
+never held twice in host memory. Export writes sharded safetensors + ``model.safetensors.index.json``
++ the original config and tokenizer files, into a temporary directory renamed on success.
+
+A converted checkpoint directory holds ``params/`` (orbax), ``hf/`` (the original config.json and
+tokenizer files) and ``jetspec.json`` (kind and dtype).
+"""
+from __future__ import annotations
+
+import dataclasses
+import glob
+import json
+import os
+import shutil
+from typing import Callable, Iterator, Sequence
+
+import jax
+import numpy as np
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from jetspec_jax.checkpoint import atomic_directory, restore_params, save_params
+from jetspec_jax.config import Qwen3Config, load_hf_config, read_json
+from jetspec_jax.errors import JetSpecError
+from jetspec_jax.models.layers import ParamSpec
+from jetspec_jax.sharding import named_sharding
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
+                   "merges.txt", "generation_config.json", "chat_template.jinja", "added_tokens.json")
+CHECKPOINT_MARKER = "jetspec.json"
+DEFAULT_SHARD_BYTES = 4 * 1024 ** 3
+
+
+@dataclasses.dataclass(frozen=True)
+class Mapping:
+  """One weight <-> its HF tensor(s): ``to_jax`` combines the HF tensors, ``to_hf`` splits back."""
+  param: str
+  hf_keys: tuple[str, ...]
+  to_jax: Callable[[list[np.ndarray]], np.ndarray]
+  to_hf: Callable[[np.ndarray], list[np.ndarray]]
+
+
+def _identity(name, hf):
+  return Mapping(name, (hf,), lambda t: t[0], lambda a: [a])
+
+
+def _transposed(name, hf):
+  return Mapping(name, (hf,), lambda t: np.ascontiguousarray(t[0].T), lambda a: [np.ascontiguousarray(a.T)])
+
+
+def _in_proj(name, hf, heads, head_dim):
+  """HF [heads*head_dim, in] <-> [in, heads, head_dim]."""
+  return Mapping(name, (hf,), lambda t: np.ascontiguousarray(t[0].T).reshape(-1, heads, head_dim),
+                 lambda a: [np.ascontiguousarray(a.reshape(a.shape[0], -1).T)])
+
+
+def _out_proj(name, hf, heads, head_dim):
+  """HF [out, heads*head_dim] <-> [heads, head_dim, out]."""
+  return Mapping(name, (hf,), lambda t: np.ascontiguousarray(t[0].T).reshape(heads, head_dim, -1),
+                 lambda a: [np.ascontiguousarray(a.reshape(heads * head_dim, -1).T)])
+
+
+def _stacked_experts(name, hf_keys):
+  """Per-expert HF [out, in] tensors <-> one stacked [E, in, out] weight."""
+  return Mapping(name, tuple(hf_keys), lambda t: np.stack([x.T for x in t]),
+                 lambda a: [np.ascontiguousarray(x.T) for x in a])
+
+
+def attention_mappings(pre: str, hf: str, num_heads: int, num_kv: int, head_dim: int) -> list[Mapping]:
+  """q/k/v/o projections and q/k norms of one attention block (target and draft head alike)."""
+  return [_in_proj(pre + "q_proj", hf + "self_attn.q_proj.weight", num_heads, head_dim),
+          _in_proj(pre + "k_proj", hf + "self_attn.k_proj.weight", num_kv, head_dim),
+          _in_proj(pre + "v_proj", hf + "self_attn.v_proj.weight", num_kv, head_dim),
+          _out_proj(pre + "o_proj", hf + "self_attn.o_proj.weight", num_heads, head_dim),
+          _identity(pre + "q_norm", hf + "self_attn.q_norm.weight"),
+          _identity(pre + "k_norm", hf + "self_attn.k_norm.weight"),
+          _identity(pre + "input_norm", hf + "input_layernorm.weight"),
+          _identity(pre + "post_attn_norm", hf + "post_attention_layernorm.weight")]
+
+
+def dense_mlp_mappings(pre: str, hf: str) -> list[Mapping]:
+  return [_transposed(pre + f"mlp.{p}", hf + f"mlp.{p}_proj.weight") for p in ("gate", "up", "down")]
+
+
+def target_mappings(cfg: Qwen3Config) -> list[Mapping]:
+  """The table for a Qwen3 / Qwen3-MoE target (``lm_head`` only when untied)."""
+  table = [_identity("embed", "model.embed_tokens.weight"), _identity("final_norm", "model.norm.weight")]
+  if not cfg.tie_word_embeddings:
+    table.append(_transposed("lm_head", "lm_head.weight"))
+  for i in range(cfg.num_hidden_layers):
+    pre, hf = f"layers.{i}.", f"model.layers.{i}."
+    table += attention_mappings(pre, hf, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
+    if cfg.is_moe_layer(i):
+      table.append(_transposed(pre + "router", hf + "mlp.gate.weight"))
+      for p in ("gate", "up", "down"):
+        table.append(_stacked_experts(pre + f"experts.{p}",
+                                      [hf + f"mlp.experts.{e}.{p}_proj.weight" for e in range(cfg.num_experts)]))
+    else:
+      table += dense_mlp_mappings(pre, hf)
+  return table
+
+
+class SafetensorsReader:
+  """Reads tensors by key from the (sharded) safetensors of a directory, lazily, one at a time."""
+
+  def __init__(self, model_dir: str):
+    index = os.path.join(model_dir, "model.safetensors.index.json")
+    if os.path.isfile(index):
+      weight_map = read_json(index, "model.safetensors.index.json")["weight_map"]
+      self.files = {k: os.path.join(model_dir, f) for k, f in weight_map.items()}
+      for f in sorted(set(self.files.values())):
+        if not os.path.isfile(f):
+          raise JetSpecError(f"safetensors shard listed in the index is missing: {f}")
+    else:
+      paths = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+      if not paths:
+        raise JetSpecError(f"no *.safetensors weights found in {model_dir}")
+      self.files = {}
+      for path in paths:
+        with safe_open(path, "numpy") as f:
+          self.files.update({k: path for k in f.keys()})
+    self._handles: dict[str, object] = {}
+
+  def get(self, key: str) -> np.ndarray:
+    if key not in self.files:
+      raise JetSpecError(f"weight {key} is missing from the safetensors files")
+    path = self.files[key]
+    if path not in self._handles:
+      self._handles[path] = safe_open(path, "numpy")
+    return self._handles[path].get_tensor(key)
+
+  def keys(self) -> set[str]:
+    return set(self.files)
+
+
+def _place(array: np.ndarray, spec: ParamSpec, dtype, mesh) -> jax.Array:
+  """Put a host array into its sharding; each process touches only its addressable shards."""
+  if array.shape != spec.shape:
+    raise ValueError(f"shape {array.shape} != {spec.shape}")
+  array = array.astype(dtype, copy=False)
+  sharding = named_sharding(spec.axes, spec.shape, mesh) or jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  return jax.make_array_from_callback(spec.shape, sharding, lambda idx: array[idx])
+
+
+def load_weights(reader: SafetensorsReader, table: Sequence[Mapping], specs: dict[str, ParamSpec],
+                 dtype, mesh=None, progress: Callable[[Iterator], Iterator] = iter) -> dict[str, jax.Array]:
+  """Stream every mapped tensor from ``reader`` into its sharding (one weight in host memory at a time)."""
+  params = {}
+  for m in progress(table):
+    spec = specs[m.param]
+    try:
+      params[m.param] = _place(m.to_jax([reader.get(k) for k in m.hf_keys]), spec, dtype, mesh)
+    except ValueError:
+      shapes = [tuple(reader.get(k).shape) for k in m.hf_keys[:1]]
+      raise JetSpecError(f"checkpoint does not match its config: {m.hf_keys[0]} has shape {shapes[0]}, "
+                         f"which does not give {m.param} of shape {spec.shape}") from None
+  return params
+
+
+def _hf_tensors(table: Sequence[Mapping], params: dict[str, jax.Array], dtype) -> Iterator[tuple[str, np.ndarray]]:
+  """(HF key, host tensor) pairs in table order, fetched one weight at a time."""
+  for m in table:
+    host = np.asarray(jax.device_get(params[m.param]))
+    if dtype is not None:
+      host = host.astype(dtype, copy=False)
+    yield from zip(m.hf_keys, m.to_hf(host))
+
+
+def write_safetensors(out_dir: str, table: Sequence[Mapping], params: dict[str, jax.Array],
+                      shard_bytes: int = DEFAULT_SHARD_BYTES, dtype=None, prefix: str = "model") -> list[str]:
+  """Write sharded safetensors + index into ``out_dir``; returns the shard file names."""
+  sizes = []
+  for m in table:
+    a = params[m.param]
+    itemsize = np.dtype(dtype).itemsize if dtype is not None else a.dtype.itemsize
+    sizes.append(a.size * itemsize)
+  groups, current, total = [], [], 0
+  for m, size in zip(table, sizes):
+    if current and total + size > shard_bytes:
+      groups.append(current)
+      current, total = [], 0
+    current.append(m)
+    total += size
+  groups.append(current)
+  names = ([f"{prefix}.safetensors"] if len(groups) == 1 else
+           [f"{prefix}-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))])
+  weight_map = {}
+  for name, group in zip(names, groups):
+    tensors = dict(_hf_tensors(group, params, dtype))
+    save_file(tensors, os.path.join(out_dir, name), metadata={"format": "pt"})
+    weight_map.update({k: name for k in tensors})
+    del tensors
+  if len(names) > 1:
+    with open(os.path.join(out_dir, f"{prefix}.safetensors.index.json"), "w") as f:
+      json.dump({"metadata": {"total_size": int(sum(sizes))}, "weight_map": weight_map}, f, indent=2)
+  return names
+
+
+def copy_side_files(src_dir: str, dst_dir: str, names: Sequence[str] = ("config.json",) + TOKENIZER_FILES) -> list[str]:
+  """Copy whichever of ``names`` exist in src_dir; returns those copied."""
+  copied = []
+  for n in names:
+    if os.path.isfile(os.path.join(src_dir, n)):
+      shutil.copy2(os.path.join(src_dir, n), os.path.join(dst_dir, n))
+      copied.append(n)
+  return copied
+
+
+def is_converted_checkpoint(path: str) -> bool:
+  return os.path.isfile(os.path.join(path, CHECKPOINT_MARKER))
+
+
+def _default_progress(it):
+  return it
+
+
+def load_target(path: str, dtype=None, mesh=None, progress=_default_progress):
+  """Load a target from an HF directory or a converted checkpoint.
+
+  Returns (cfg, params, side_dir) where side_dir holds the HF config/tokenizer files.
+  ``dtype`` None keeps the stored dtype.
+  """
+  from jetspec_jax.models.qwen3 import param_specs
+  if not os.path.exists(path):
+    raise JetSpecError(f"target not found: {path}")
+  if is_converted_checkpoint(path):
+    meta = read_json(os.path.join(path, CHECKPOINT_MARKER), CHECKPOINT_MARKER)
+    if meta.get("kind") != "target":
+      raise JetSpecError(f"{path} holds a {meta.get('kind')!r} checkpoint, not a target")
+    side = os.path.join(path, "hf")
+    cfg = load_hf_config(side)
+    params = restore_params(os.path.join(path, "params"), param_specs(cfg), dtype, mesh)
+    return cfg, params, side
+  cfg = load_hf_config(path)
+  reader = SafetensorsReader(path)
+  if dtype is None:
+    dtype = reader.get("model.embed_tokens.weight").dtype
+  return cfg, load_weights(reader, target_mappings(cfg), param_specs(cfg), dtype, mesh, progress), path
+
+
+def convert_hf(hf_dir: str, out_dir: str, dtype=None, mesh=None, overwrite=False,
+               progress=_default_progress) -> dict:
+  """HF directory -> converted checkpoint (orbax params + hf/ side files), written atomically."""
+  cfg, params, _ = load_target(hf_dir, dtype, mesh, progress)
+  with atomic_directory(out_dir, overwrite) as tmp:
+    save_params(os.path.join(tmp, "params"), params)
+    os.makedirs(os.path.join(tmp, "hf"))
+    copy_side_files(hf_dir, os.path.join(tmp, "hf"))
+    stored = str(params["embed"].dtype)
+    with open(os.path.join(tmp, CHECKPOINT_MARKER), "w") as f:
+      json.dump({"kind": "target", "dtype": stored, "architecture": cfg.architecture, "format_version": 1}, f)
+  return {"out_dir": os.path.abspath(out_dir), "dtype": stored, "num_params": int(sum(p.size for p in params.values())),
+          "num_tensors": len(params)}
+
+
+def export_hf(ckpt_dir: str, out_dir: str, shard_bytes: int = DEFAULT_SHARD_BYTES, overwrite=False,
+              progress=_default_progress) -> dict:
+  """Converted checkpoint (or HF dir) -> HF directory: sharded safetensors + index + side files."""
+  cfg, params, side = load_target(ckpt_dir, None, None, progress)
+  with atomic_directory(out_dir, overwrite) as tmp:
+    files = write_safetensors(tmp, target_mappings(cfg), params, shard_bytes)
+    copied = copy_side_files(side, tmp)
+    if "config.json" not in copied:
+      with open(os.path.join(tmp, "config.json"), "w") as f:
+        json.dump(cfg.to_hf_dict(str(params["embed"].dtype)), f, indent=2)
+  return {"out_dir": os.path.abspath(out_dir), "files": files}

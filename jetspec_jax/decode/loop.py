@@ -1,0 +1,133 @@
+"""Generation loops. Each runs the whole generation on device: one jitted prefill, then one
+jitted ``lax.while_loop`` over a donated state; only the final result comes back to the host.
+
+The AR loop is the baseline; the speculative loop (``decode.speculative``) shares the target
+forward, ``DecodeState`` and ``commit_tokens``.
+"""
+from __future__ import annotations
+
+import functools
+import time
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jetspec_jax.config import Qwen3Config
+from jetspec_jax.decode.prompts import batch_prompts
+from jetspec_jax.decode.sampling import select_tokens
+from jetspec_jax.models import qwen3
+
+
+@flax.struct.dataclass
+class DecodeState:
+  """Target-side generation state. Invariant: the target cache holds prefix_len[b] committed
+  positions; ``last_token`` (the newest committed token) is not yet in the cache."""
+  cache: qwen3.KVCache
+  tokens: jax.Array       # [B, M] int32 generated tokens (M = max_new_tokens), -1 past num_tokens
+  num_tokens: jax.Array   # [B] int32
+  last_token: jax.Array   # [B] int32
+  prefix_len: jax.Array   # [B] int32
+  done: jax.Array         # [B] bool: hit EOS or max_new_tokens
+  key: jax.Array          # PRNG key
+  steps: jax.Array        # [] int32: target forwards after prefill
+
+
+def commit_tokens(tokens, num_tokens, done, new, count, eos_ids: tuple[int, ...]):
+  """Append new[b, :count[b]] to each unfinished sequence, cut after the first EOS and at M.
+
+  tokens [B, M], num_tokens [B], done [B], new [B, K], count [B]. Returns (tokens, num_tokens,
+  done, appended [B]); never writes past max_new_tokens or an EOS.
+  """
+  max_new = tokens.shape[1]
+  j = jnp.arange(new.shape[1])[None, :]
+  limit = jnp.minimum(count, max_new - num_tokens)
+  limit = jnp.where(done, 0, limit)
+  is_eos = jnp.isin(new, jnp.asarray(eos_ids, jnp.int32)) if eos_ids else jnp.zeros(new.shape, bool)
+  eos_hit = is_eos & (j < limit[:, None])
+  first_eos = jnp.argmax(eos_hit, axis=1)
+  any_eos = jnp.any(eos_hit, axis=1)
+  limit = jnp.where(any_eos, first_eos + 1, limit)
+  pos = jnp.where(j < limit[:, None], num_tokens[:, None] + j, max_new)
+  tokens = jax.vmap(lambda t, p, v: t.at[p].set(v, mode="drop"))(tokens, pos, new)
+  num_tokens = num_tokens + limit
+  done = done | any_eos | (num_tokens >= max_new)
+  return tokens, num_tokens, done, limit
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "max_new_tokens", "eos_ids", "temperature", "attn_impl",
+                                             "tap_layers", "mesh"), donate_argnames=("cache",))
+def prefill(params, cache, prompt, prompt_len, key, *, cfg: Qwen3Config, max_new_tokens: int,
+            eos_ids: tuple[int, ...], temperature: float, attn_impl: str = "xla",
+            tap_layers: tuple[int, ...] = (), mesh=None):
+  """Run right-padded prompts [B, T] (lengths [B]) through the target; select the first token.
+
+  Returns (DecodeState, taps [B, T, F] or None)."""
+  batch, length = prompt.shape
+  positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
+  logits, cache, taps = qwen3.forward(
+      params, cfg, prompt, positions, cache, jnp.zeros((batch,), jnp.int32), qwen3.causal_mask(batch, length),
+      tap_layers=tap_layers, attn_impl=attn_impl, mesh=mesh, logits_rows=(prompt_len - 1)[:, None])
+  key, sub = jax.random.split(key)
+  first = select_tokens(logits[:, 0], sub, temperature)
+  out = jnp.full((batch, max_new_tokens), -1, jnp.int32)
+  zeros = jnp.zeros((batch,), jnp.int32)
+  out, num, done, _ = commit_tokens(out, zeros, jnp.zeros((batch,), bool), first[:, None],
+                                    jnp.ones((batch,), jnp.int32), eos_ids)
+  state = DecodeState(cache=cache, tokens=out, num_tokens=num, last_token=first, prefix_len=prompt_len,
+                      done=done, key=key, steps=jnp.zeros((), jnp.int32))
+  return state, taps
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "eos_ids", "temperature", "attn_impl", "mesh"),
+                   donate_argnames=("state",))
+def ar_decode(params, state: DecodeState, *, cfg: Qwen3Config, eos_ids: tuple[int, ...],
+              temperature: float, attn_impl: str = "xla", mesh=None) -> DecodeState:
+  """Plain autoregressive decoding until every sequence is done (one token per target forward)."""
+  batch = state.last_token.shape[0]
+  one_mask = jnp.ones((batch, 1, 1), bool)
+
+  def body(s: DecodeState) -> DecodeState:
+    logits, cache, _ = qwen3.forward(params, cfg, s.last_token[:, None], s.prefix_len[:, None], s.cache,
+                                     s.prefix_len, one_mask, attn_impl=attn_impl, mesh=mesh)
+    key, sub = jax.random.split(s.key)
+    nxt = select_tokens(logits[:, 0], sub, temperature)
+    active = ~s.done
+    tokens, num, done, _ = commit_tokens(s.tokens, s.num_tokens, s.done, nxt[:, None],
+                                         jnp.ones((batch,), jnp.int32), eos_ids)
+    return DecodeState(cache=cache, tokens=tokens, num_tokens=num, last_token=jnp.where(active, nxt, s.last_token),
+                       prefix_len=s.prefix_len + active.astype(jnp.int32), done=done, key=key, steps=s.steps + 1)
+
+  return jax.lax.while_loop(lambda s: ~jnp.all(s.done), body, state)
+
+
+def resolve_eos(cfg: Qwen3Config, eos_ids) -> tuple[int, ...]:
+  """Explicit EOS ids, or the config's (empty tuple: never stop early)."""
+  return tuple(int(e) for e in (cfg.eos_token_ids if eos_ids is None else eos_ids))
+
+
+def block_until_ready(tree):
+  return jax.tree_util.tree_map(lambda x: x.block_until_ready() if hasattr(x, "block_until_ready") else x, tree)
+
+
+def generate_ar(params, cfg: Qwen3Config, prompts, *, max_new_tokens: int, temperature: float = 0.0,
+                eos_ids=None, seed: int = 0, attn_impl: str = "xla", mesh=None, cache_dtype=None) -> dict:
+  """Autoregressive generation for a list of token-id prompts. Returns token lists and timing."""
+  tokens, lengths = batch_prompts(prompts, cfg.vocab_size)
+  eos = resolve_eos(cfg, eos_ids)
+  dtype = cache_dtype or params["embed"].dtype
+  cache = qwen3.init_cache(cfg, len(prompts), tokens.shape[1] + max_new_tokens, dtype, mesh)
+  t0 = time.perf_counter()
+  state, _ = prefill(params, cache, jnp.asarray(tokens), jnp.asarray(lengths), jax.random.key(seed), cfg=cfg,
+                     max_new_tokens=max_new_tokens, eos_ids=eos, temperature=float(temperature),
+                     attn_impl=attn_impl, mesh=mesh)
+  block_until_ready(state)
+  t1 = time.perf_counter()
+  state = ar_decode(params, state, cfg=cfg, eos_ids=eos, temperature=float(temperature), attn_impl=attn_impl,
+                    mesh=mesh)
+  out, num, steps = jax.device_get((state.tokens, state.num_tokens, state.steps))
+  t2 = time.perf_counter()
+  return {"token_ids": [out[b, :num[b]].tolist() for b in range(len(prompts))],
+          "num_tokens": int(np.sum(num)), "target_forwards": int(steps) + 1,
+          "prefill_s": t1 - t0, "decode_s": t2 - t1}

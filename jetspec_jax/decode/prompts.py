@@ -1,0 +1,39 @@
+"""Host-side prompt batching: lists of ids or padded arrays (either side) -> right-padded batch."""
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from jetspec_jax.errors import JetSpecError
+
+
+def batch_prompts(prompts: Sequence[Sequence[int]], vocab_size: int, pad_id: int = 0) -> tuple[np.ndarray, np.ndarray]:
+  """Token-id lists -> (tokens [B, T] right-padded int32, lengths [B] int32)."""
+  if not prompts or any(len(p) == 0 for p in prompts):
+    raise JetSpecError("every prompt needs at least one token")
+  bad = [t for p in prompts for t in p if not 0 <= int(t) < vocab_size]
+  if bad:
+    raise JetSpecError(f"prompt token id {bad[0]} is outside the vocabulary (size {vocab_size})")
+  lengths = np.array([len(p) for p in prompts], np.int32)
+  tokens = np.full((len(prompts), int(lengths.max())), pad_id, np.int32)
+  for i, p in enumerate(prompts):
+    tokens[i, :len(p)] = p
+  return tokens, lengths
+
+
+def from_padded(tokens: np.ndarray, attention_mask: np.ndarray) -> list[list[int]]:
+  """A padded batch with an HF-style attention mask (left or right padding) -> id lists.
+
+  The mask must be one contiguous run of ones per row.
+  """
+  tokens, attention_mask = np.asarray(tokens), np.asarray(attention_mask).astype(bool)
+  if tokens.shape != attention_mask.shape:
+    raise JetSpecError(f"tokens {tokens.shape} and attention_mask {attention_mask.shape} differ in shape")
+  rows = []
+  for t, m in zip(tokens, attention_mask):
+    idx = np.flatnonzero(m)
+    if idx.size == 0 or idx[-1] - idx[0] + 1 != idx.size:
+      raise JetSpecError("each attention_mask row must be one contiguous run of ones")
+    rows.append(t[idx].tolist())
+  return rows

@@ -1,0 +1,182 @@
+"""Token-tree construction from per-depth draft logits, on device with static shapes.
+
+A tree of N nodes per batch row (node 0 = the root = the anchor token) is built from
+``depth_logits`` [B, D, V], where ``depth_logits[:, k]`` is the draft distribution for
+depth k+1. Methods:
+
+  accum_logp  best-first search on cumulative log-prob: a max-heap starts with the root
+              (score 0); each pop of a node at depth d < D adds up to min(W, budget - n)
+              children, the top-W tokens of depth d+1 in rank order (the same list for every
+              parent at that depth), numbered n, n+1, ... in insertion order; the search
+              stops when n == budget or the heap is empty. Heap ties go to the lower node
+              index, top-k ties to the lower token id. N = budget.
+  top2gap     the same search, but children at depth d+1 are capped at
+              max(1, round(W * sigmoid(-beta * (g - g0)))), g = lp_rank1 - lp_rank2 of the
+              depth-(d+1) distribution (round half to even). N = budget.
+  chain       node d (depth d) is the argmax of depth d's logits, parent d-1. N = D + 1.
+
+Invariants of every tree: parents[i] < i for i > 0 (parents precede children),
+depths[i] = depths[parents[i]] + 1, sibling tokens are distinct, and padding nodes
+(valid False, only when the search ran out of nodes) come after all valid ones.
+Scores are float32; log_softmax is taken in float32 over the full vocabulary.
+"""
+from __future__ import annotations
+
+import flax
+import jax
+import jax.numpy as jnp
+
+from jetspec_jax.errors import JetSpecError
+
+TREE_METHODS = ("accum_logp", "top2gap", "chain")
+
+
+@flax.struct.dataclass
+class Tree:
+  """A batch of token trees with N nodes each (N static; see ``tree_size``).
+
+  tokens    [B, N] int32  node 0 is the root = the anchor token; padding nodes: 0
+  parents   [B, N] int32  parent node index; root and padding nodes: 0
+  depths    [B, N] int32  root 0; padding nodes: 0
+  valid     [B, N] bool   False for padding nodes (tree smaller than N)
+  ancestors [B, N, N] bool  ancestors[b, i, j] iff j is i or an ancestor of i;
+                          padding rows hold only the diagonal
+  """
+  tokens: jax.Array
+  parents: jax.Array
+  depths: jax.Array
+  valid: jax.Array
+  ancestors: jax.Array
+
+
+def _check_method(method: str) -> None:
+  if method not in TREE_METHODS:
+    raise JetSpecError(f"unknown tree method {method!r}; expected one of {', '.join(TREE_METHODS)}")
+
+
+def tree_size(method: str, budget: int, depth: int) -> int:
+  """Static node count N: ``budget`` for accum_logp/top2gap, ``depth + 1`` for chain."""
+  _check_method(method)
+  if method == "chain":
+    return depth + 1
+  if budget < 1:
+    raise JetSpecError(f"tree budget must be at least 1 (it counts the root); got {budget}")
+  return budget
+
+
+def _chain(anchor: jax.Array, depth_logits: jax.Array) -> Tree:
+  """Chain of the per-depth argmax tokens: N = D + 1 nodes, node d at depth d."""
+  batch, depth, _ = depth_logits.shape
+  n = depth + 1
+  best = jnp.argmax(depth_logits, axis=-1).astype(jnp.int32)               # [B, D]
+  tokens = jnp.concatenate([anchor[:, None].astype(jnp.int32), best], axis=1)
+  idx = jnp.arange(n, dtype=jnp.int32)
+  rows = jnp.broadcast_to(idx, (batch, n))
+  return Tree(
+      tokens=tokens,
+      parents=jnp.maximum(rows - 1, 0),
+      depths=rows,
+      valid=jnp.ones((batch, n), bool),
+      ancestors=jnp.broadcast_to(idx[None, :] <= idx[:, None], (batch, n, n)))
+
+
+def _fanout_caps(top_lp: jax.Array, method: str, width: int, beta: float, g0: float) -> jax.Array:
+  """Per-depth child cap [D] int32 from the per-depth top-W log-probs [D, W]."""
+  depth = top_lp.shape[0]
+  if method == "accum_logp":
+    return jnp.full((depth,), width, jnp.int32)
+  if width < 2:                                   # max(1, round(1 * s)) == 1 for any s in [0, 1]
+    return jnp.ones((depth,), jnp.int32)
+  gap = top_lp[:, 0] - top_lp[:, 1]
+  frac = jax.nn.sigmoid(-jnp.float32(beta) * (gap - jnp.float32(g0)))
+  return jnp.maximum(1, jnp.round(width * frac)).astype(jnp.int32)
+
+
+def _heap_tree(anchor: jax.Array, top_tok: jax.Array, top_lp: jax.Array, caps: jax.Array,
+               budget: int) -> tuple[jax.Array, ...]:
+  """Best-first search for one batch row (vmapped over the batch).
+
+  anchor [] int32; top_tok / top_lp [D, W] per-depth top-W tokens and log-probs in rank
+  order; caps [D] int32 child cap per parent depth. Returns tokens, parents, depths,
+  valid [N] and ancestors [N, N] with N = budget.
+
+  Each of the ``budget`` steps pops the in-heap node with the highest score (lowest index
+  among ties) and writes its children as one W-wide masked block at [n, n + W); internal
+  arrays have N + W rows so the block always fits, and rows >= N are sliced off at the end.
+  Every node is popped at most once and at most N nodes exist, so N steps finish the
+  search; steps after it (full tree or empty heap) add nothing. A fixed trip count is
+  faster here than a while_loop that stops early (which re-selects the whole batched
+  state every step under vmap).
+  """
+  depth, width = top_tok.shape
+  n_nodes, rows = budget, budget + width
+  slot = jnp.arange(width, dtype=jnp.int32)
+  col = jnp.arange(n_nodes, dtype=jnp.int32)
+
+  init = dict(
+      n=jnp.int32(1),
+      tokens=jnp.zeros(rows, jnp.int32).at[0].set(anchor),
+      parents=jnp.zeros(rows, jnp.int32),
+      depths=jnp.zeros(rows, jnp.int32),
+      score=jnp.full(rows, -jnp.inf, jnp.float32).at[0].set(0.0),
+      in_heap=jnp.zeros(rows, bool).at[0].set(True),
+      anc=jnp.eye(rows, n_nodes, dtype=bool))
+
+  def pop_and_expand(_, s):
+    n, in_heap, score = s["n"], s["in_heap"], s["score"]
+    best = jnp.max(jnp.where(in_heap, score, -jnp.inf))
+    parent = jnp.argmax(in_heap & (score == best)).astype(jnp.int32)   # first best heap node
+    d = s["depths"][parent]
+    src = jnp.minimum(d, depth - 1)                                   # depth index of the children
+    expand = jnp.any(in_heap) & (d < depth)                          # n == N gives k = 0 below
+    k = jnp.where(expand, jnp.minimum(caps[src], n_nodes - n), 0)
+    live = slot < k
+    child = n + slot
+
+    def put(arr, block):
+      return jax.lax.dynamic_update_slice(arr, block, (n,) + (0,) * (arr.ndim - 1))
+
+    anc_rows = (s["anc"][parent][None, :] & live[:, None]) | (col[None, :] == child[:, None])
+    return dict(
+        n=n + k,
+        tokens=put(s["tokens"], jnp.where(live, top_tok[src], 0)),
+        parents=put(s["parents"], jnp.where(live, parent, 0)),
+        depths=put(s["depths"], jnp.where(live, d + 1, 0)),
+        score=put(score, jnp.where(live, score[parent] + top_lp[src], -jnp.inf)),
+        in_heap=put(in_heap.at[parent].set(False), live),
+        anc=put(s["anc"], anc_rows))
+
+  s = jax.lax.fori_loop(0, budget, pop_and_expand, init)
+  valid = jnp.arange(n_nodes) < s["n"]
+  return (s["tokens"][:n_nodes], s["parents"][:n_nodes], s["depths"][:n_nodes], valid,
+          s["anc"][:n_nodes])
+
+
+def build_tree(anchor: jax.Array, depth_logits: jax.Array, *, method: str, budget: int,
+               width: int, top2gap_beta: float = 2.0, top2gap_g0: float = 1.0) -> Tree:
+  """Builds a token tree per batch row (see the module docstring for the methods).
+
+  anchor [B] int32 (the root token); depth_logits [B, D, V] float, where
+  depth_logits[:, k] is the draft distribution for depth k+1. method, budget, width,
+  top2gap_beta and top2gap_g0 are static; budget and width are ignored by ``chain``.
+  Returns a Tree with N = tree_size(method, budget, D) nodes.
+  """
+  _check_method(method)
+  if depth_logits.ndim != 3 or anchor.shape != depth_logits.shape[:1] or depth_logits.shape[1] < 1:
+    raise JetSpecError(f"expected anchor [B] and depth_logits [B, D, V] with D >= 1; got "
+                       f"{anchor.shape} and {depth_logits.shape}")
+  if method == "chain":
+    return _chain(anchor, depth_logits)
+  tree_size(method, budget, depth_logits.shape[1])
+  vocab = depth_logits.shape[2]
+  if not 1 <= width <= vocab:
+    raise JetSpecError(f"tree width must be between 1 and the vocabulary size {vocab}; got {width}")
+  log_probs = jax.nn.log_softmax(depth_logits.astype(jnp.float32), axis=-1)
+  # The barrier keeps XLA from rewriting top_k plus the slices of it that top2gap takes into
+  # a full-vocabulary sort (about 70x slower on CPU at V = 32k).
+  top_lp, top_tok = jax.lax.optimization_barrier(jax.lax.top_k(log_probs, width))  # [B, D, W]
+  caps = jax.vmap(lambda lp: _fanout_caps(lp, method, width, top2gap_beta, top2gap_g0))(top_lp)
+  tokens, parents, depths, valid, ancestors = jax.vmap(
+      lambda a, t, lp, c: _heap_tree(a, t, lp, c, budget))(
+          anchor.astype(jnp.int32), top_tok.astype(jnp.int32), top_lp, caps)
+  return Tree(tokens=tokens, parents=parents, depths=depths, valid=valid, ancestors=ancestors)

@@ -1,0 +1,81 @@
+"""Building blocks shared by the Qwen3 target and the draft head: norms, RoPE, projections."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamSpec:
+  """One weight, declared once: shape, logical axes (for sharding) and initialiser name."""
+  shape: tuple[int, ...]
+  axes: tuple[str | None, ...]
+  init: str = "normal"   # "normal" (std 0.02) | "ones"
+
+
+def init_param(spec: ParamSpec, key: jax.Array, dtype) -> jax.Array:
+  """A freshly initialised weight for ``spec``."""
+  if spec.init == "ones":
+    return jnp.ones(spec.shape, dtype)
+  return (0.02 * jax.random.normal(key, spec.shape, jnp.float32)).astype(dtype)
+
+
+def init_params(specs: dict[str, ParamSpec], key: jax.Array, dtype, mesh=None) -> dict[str, jax.Array]:
+  """Initialise every declared weight, each directly in its sharding (jit with out_shardings)."""
+  from jetspec_jax.sharding import named_sharding
+  names = sorted(specs)
+  keys = dict(zip(names, jax.random.split(key, len(names))))
+  out = {}
+  for name in names:
+    spec = specs[name]
+    fn = jax.jit(lambda k, s=spec: init_param(s, k, dtype),
+                 out_shardings=named_sharding(spec.axes, spec.shape, mesh))
+    out[name] = fn(keys[name])
+  return out
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+  """RMSNorm over the last axis, computed in float32 then cast back (as transformers)."""
+  xf = x.astype(jnp.float32)
+  xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+  return weight * xf.astype(x.dtype)
+
+
+def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+  """Rotate-half RoPE. x [B, T, H, Dh], positions [B, T] int -> same shape and dtype."""
+  head_dim = x.shape[-1]
+  inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
+  angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)   # [B, T, Dh/2]
+  angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]
+  cos, sin = jnp.cos(angles).astype(x.dtype), jnp.sin(angles).astype(x.dtype)
+  half = head_dim // 2
+  rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+  return x * cos + rotated * sin
+
+
+def swiglu(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array) -> jax.Array:
+  """down(silu(x @ gate) * (x @ up)); gate/up [H, I], down [I, H]."""
+  return (jax.nn.silu(x @ gate) * (x @ up)) @ down
+
+
+def write_rows(cache: jax.Array, rows: jax.Array, start: jax.Array) -> jax.Array:
+  """Write ``rows`` [B, Hkv, T, Dh] into ``cache`` [B, Hkv, S, Dh] at per-sequence offsets start [B]."""
+  def one(c, r, s):
+    return jax.lax.dynamic_update_slice(c, r.astype(c.dtype), (0, s, 0))
+  return jax.vmap(one)(cache, rows, start.astype(jnp.int32))
+
+
+def attention_block(q_in: jax.Array, kv_in: jax.Array, p: Callable[[str], jax.Array], *, num_heads: int,
+                    num_kv_heads: int, head_dim: int, eps: float, theta: float,
+                    q_positions: jax.Array, kv_positions: jax.Array):
+  """Projections + per-head q/k RMSNorm + RoPE. Returns q [B,T,Hq,Dh], k, v [B,Hkv,Tk,Dh]."""
+  q = jnp.einsum("bth,hnd->btnd", q_in, p("q_proj"))
+  k = jnp.einsum("bth,hnd->btnd", kv_in, p("k_proj"))
+  v = jnp.einsum("bth,hnd->btnd", kv_in, p("v_proj"))
+  q = rope(rms_norm(q, p("q_norm"), eps), q_positions, theta)
+  k = rope(rms_norm(k, p("k_norm"), eps), kv_positions, theta)
+  return q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)

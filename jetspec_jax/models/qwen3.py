@@ -1,0 +1,163 @@
+"""Qwen3 / Qwen3-MoE target in JAX: declared weights, KV cache, a forward over new rows with taps.
+
+Weights are a flat dict ``{name: array}``; ``param_specs(cfg)`` declares each one once (shape,
+logical axes, init) and sharding, initialisation, conversion and restore all derive from it.
+Layouts: projections are [in, heads, head_dim] / [heads, head_dim, out] so heads shard cleanly;
+MoE experts are stacked [E, ...].
+
+One forward serves prefill, AR decode and tree verification: T new rows are written into the
+cache at positions prefix_len[b] + t and attend to the committed prefix plus the rows allowed
+by ``block_mask`` (see ``jetspec_jax.attention``). RoPE positions are passed separately, so tree
+nodes sit at prefix_len + depth.
+"""
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from jetspec_jax.attention import attention
+from jetspec_jax.config import Qwen3Config
+from jetspec_jax.models.layers import ParamSpec, attention_block, init_params, rms_norm, swiglu, write_rows
+from jetspec_jax.sharding import shard
+
+
+def param_specs(cfg: Qwen3Config) -> dict[str, ParamSpec]:
+  """Every weight of the target, declared once."""
+  h, nq, nkv, dh = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+  specs = {"embed": ParamSpec((cfg.vocab_size, h), ("vocab", "embed")),
+           "final_norm": ParamSpec((h,), ("norm",), "ones")}
+  if not cfg.tie_word_embeddings:
+    specs["lm_head"] = ParamSpec((h, cfg.vocab_size), ("embed", "vocab"))
+  for i in range(cfg.num_hidden_layers):
+    pre = f"layers.{i}."
+    specs.update({
+        pre + "input_norm": ParamSpec((h,), ("norm",), "ones"),
+        pre + "post_attn_norm": ParamSpec((h,), ("norm",), "ones"),
+        pre + "q_proj": ParamSpec((h, nq, dh), ("embed", "q_heads", "head_dim")),
+        pre + "k_proj": ParamSpec((h, nkv, dh), ("embed", "kv_heads", "head_dim")),
+        pre + "v_proj": ParamSpec((h, nkv, dh), ("embed", "kv_heads", "head_dim")),
+        pre + "o_proj": ParamSpec((nq, dh, h), ("q_heads", "head_dim", "embed")),
+        pre + "q_norm": ParamSpec((dh,), ("norm",), "ones"),
+        pre + "k_norm": ParamSpec((dh,), ("norm",), "ones"),
+    })
+    if cfg.is_moe_layer(i):
+      e, mi = cfg.num_experts, cfg.moe_intermediate_size
+      specs.update({
+          pre + "router": ParamSpec((h, e), ("embed", "experts")),
+          pre + "experts.gate": ParamSpec((e, h, mi), ("experts", "embed", "mlp")),
+          pre + "experts.up": ParamSpec((e, h, mi), ("experts", "embed", "mlp")),
+          pre + "experts.down": ParamSpec((e, mi, h), ("experts", "mlp", "embed")),
+      })
+    else:
+      mi = cfg.intermediate_size
+      specs.update({
+          pre + "mlp.gate": ParamSpec((h, mi), ("embed", "mlp")),
+          pre + "mlp.up": ParamSpec((h, mi), ("embed", "mlp")),
+          pre + "mlp.down": ParamSpec((mi, h), ("mlp", "embed")),
+      })
+  return specs
+
+
+def init_target(cfg: Qwen3Config, key: jax.Array, dtype=jnp.float32, mesh=None) -> dict[str, jax.Array]:
+  """Random target weights (tests, benchmarks), each created in its sharding."""
+  return init_params(param_specs(cfg), key, dtype, mesh)
+
+
+@flax.struct.dataclass
+class KVCache:
+  """Per-layer keys and values, each [B, Hkv, S, Dh]; sequence b's committed length lives outside."""
+  k: tuple[jax.Array, ...]
+  v: tuple[jax.Array, ...]
+
+  @property
+  def max_len(self) -> int:
+    return self.k[0].shape[2]
+
+
+CACHE_AXES = ("batch", "kv_heads", "seq", "head_dim")
+
+
+def init_cache(cfg: Qwen3Config, batch: int, max_len: int, dtype, mesh=None) -> KVCache:
+  """A zeroed cache of ``max_len`` positions per sequence, sharded over (data, model)."""
+  shape = (batch, cfg.num_key_value_heads, max_len, cfg.head_dim)
+  zeros = lambda: shard(jnp.zeros(shape, dtype), CACHE_AXES, mesh)
+  return KVCache(k=tuple(zeros() for _ in range(cfg.num_hidden_layers)),
+                 v=tuple(zeros() for _ in range(cfg.num_hidden_layers)))
+
+
+def moe_mlp(x: jax.Array, params: dict, pre: str, cfg: Qwen3Config) -> jax.Array:
+  """Sparse MoE as transformers: float32 softmax router over all experts, top-k,
+  renormalised only with norm_topk_prob; experts run as grouped matmuls (ragged_dot). x [B,T,H]."""
+  b, t, h = x.shape
+  tokens = x.reshape(b * t, h)
+  logits = tokens @ params[pre + "router"]
+  probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+  top_w, top_i = jax.lax.top_k(probs, cfg.num_experts_per_tok)             # [M, k]
+  if cfg.norm_topk_prob:
+    top_w = top_w / jnp.sum(top_w, axis=-1, keepdims=True)
+  top_w = top_w.astype(x.dtype)
+  flat_expert = top_i.reshape(-1)                                          # [M*k]
+  order = jnp.argsort(flat_expert, stable=True)
+  token_of = order // cfg.num_experts_per_tok
+  group_sizes = jnp.bincount(flat_expert, length=cfg.num_experts).astype(jnp.int32)
+  xs = tokens[token_of]                                                    # [M*k, H] sorted by expert
+  gate = jax.lax.ragged_dot(xs, params[pre + "experts.gate"], group_sizes)
+  up = jax.lax.ragged_dot(xs, params[pre + "experts.up"], group_sizes)
+  out = jax.lax.ragged_dot(jax.nn.silu(gate) * up, params[pre + "experts.down"], group_sizes)
+  out = out * top_w.reshape(-1)[order][:, None]
+  combined = jnp.zeros((b * t, h), out.dtype).at[token_of].add(out)
+  return combined.reshape(b, t, h)
+
+
+def forward(params: dict, cfg: Qwen3Config, tokens: jax.Array, positions: jax.Array, cache: KVCache,
+            prefix_len: jax.Array, block_mask: jax.Array, *, tap_layers: tuple[int, ...] = (),
+            attn_impl: str = "xla", mesh=None, logits_rows: jax.Array | None = None):
+  """Run T new rows through the target.
+
+  tokens, positions [B, T] int32 (positions: RoPE positions); cache: KV cache whose rows
+  prefix_len[b] + t (t < T) receive the new keys/values; prefix_len [B]; block_mask [B, T, T]
+  (see ``jetspec_jax.attention``). ``logits_rows`` [B, R] selects which rows get logits (default
+  all). Returns (logits [B, R, V] float32, new cache, taps [B, T, len(tap_layers) * H]) where
+  taps are the residual outputs (before the final norm) of the chosen layers, in that order.
+  """
+  p = params
+  x = shard(p["embed"][tokens], ("batch", "seq", "embed"), mesh)
+  taps = {}
+  new_k, new_v = [], []
+  for i in range(cfg.num_hidden_layers):
+    pre = f"layers.{i}."
+    h = rms_norm(x, p[pre + "input_norm"], cfg.rms_norm_eps)
+    q, k, v = attention_block(h, h, lambda n: p[pre + n], num_heads=cfg.num_attention_heads,
+                              num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
+                              eps=cfg.rms_norm_eps, theta=cfg.rope_theta,
+                              q_positions=positions, kv_positions=positions)
+    k_cache = write_rows(cache.k[i], k, prefix_len)
+    v_cache = write_rows(cache.v[i], v, prefix_len)
+    new_k.append(k_cache)
+    new_v.append(v_cache)
+    attn = attention(q, k_cache, v_cache, prefix_len, block_mask, impl=attn_impl)
+    x = x + jnp.einsum("btnd,ndh->bth", attn, p[pre + "o_proj"])
+    h = rms_norm(x, p[pre + "post_attn_norm"], cfg.rms_norm_eps)
+    if cfg.is_moe_layer(i):
+      x = x + moe_mlp(h, p, pre, cfg)
+    else:
+      x = x + swiglu(h, p[pre + "mlp.gate"], p[pre + "mlp.up"], p[pre + "mlp.down"])
+    if i in tap_layers:
+      taps[i] = x
+  tapped = jnp.concatenate([taps[i] for i in tap_layers], axis=-1) if tap_layers else None
+  if logits_rows is not None:
+    x = jnp.take_along_axis(x, logits_rows[..., None], axis=1)
+  logits = lm_logits(p, cfg, rms_norm(x, p["final_norm"], cfg.rms_norm_eps))
+  return logits, KVCache(k=tuple(new_k), v=tuple(new_v)), tapped
+
+
+def lm_logits(params: dict, cfg: Qwen3Config, h: jax.Array) -> jax.Array:
+  """Final-normed hidden states [..., H] -> float32 logits [..., V] (tied or untied head)."""
+  w = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
+  return jnp.einsum("...h,hv->...v", h, w, preferred_element_type=jnp.float32)
+
+
+def causal_mask(batch: int, length: int) -> jax.Array:
+  """[B, T, T] lower-triangular block mask (prefill)."""
+  return jnp.broadcast_to(jnp.tril(jnp.ones((length, length), bool)), (batch, length, length))

@@ -1,0 +1,94 @@
+"""Device meshes and the logical-axis rules that map every declared weight onto them.
+
+Mesh axes: ``data`` (batch) and ``model`` (tensor parallel: heads, MLP, vocabulary).
+Each weight declares logical axis names (see ``models.qwen3.param_specs``); ``RULES`` maps a
+logical name to a mesh axis. A dimension the mesh axis does not divide is replicated when the
+logical axis is in ``REPLICATE_IF_INDIVISIBLE`` (KV heads, vocabulary, batch) and is an error
+otherwise (query heads, MLP width).
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jetspec_jax.errors import JetSpecError
+
+MESH_AXES = ("data", "model")
+RULES: dict[str, str | None] = {
+    "batch": "data",
+    "vocab": "model",
+    "embed": None,
+    "q_heads": "model",
+    "kv_heads": "model",
+    "head_dim": None,
+    "mlp": "model",
+    "experts": None,
+    "norm": None,
+    "seq": None,
+    "features": None,
+}
+REPLICATE_IF_INDIVISIBLE = frozenset({"kv_heads", "vocab", "batch"})
+_NAMES = {"q_heads": "num_attention_heads", "kv_heads": "num_key_value_heads", "mlp": "the MLP width",
+          "vocab": "vocab_size", "batch": "the batch size"}
+
+
+def make_mesh(data: int = 1, model: int = 1, devices: Sequence[jax.Device] | None = None) -> Mesh:
+  """A (data, model) mesh over ``devices`` (default: all); the product must equal the device count."""
+  devices = list(jax.devices() if devices is None else devices)
+  if data < 1 or model < 1:
+    raise JetSpecError(f"mesh {data}x{model} is invalid: both axes must be >= 1")
+  if data * model != len(devices):
+    raise JetSpecError(f"mesh {data}x{model} needs {data * model} devices but {len(devices)} are available")
+  return Mesh(np.asarray(devices).reshape(data, model), MESH_AXES)
+
+
+def parse_mesh(text: str | None) -> tuple[int, int]:
+  """'DATAxMODEL' (e.g. '2x4') -> (2, 4); None -> all devices on ``data``."""
+  if not text:
+    return jax.device_count(), 1
+  try:
+    data, model = (int(p) for p in text.lower().split("x"))
+  except ValueError:
+    raise JetSpecError(f"mesh {text!r} is not of the form DATAxMODEL, e.g. 2x4") from None
+  return data, model
+
+
+def logical_to_spec(axes: Sequence[str | None], shape: Sequence[int], mesh: Mesh | None) -> P:
+  """PartitionSpec for a tensor of ``shape`` with logical ``axes`` on ``mesh`` (None: replicated)."""
+  if mesh is None:
+    return P()
+  if len(axes) != len(shape):
+    raise ValueError(f"{len(axes)} logical axes for a rank-{len(shape)} tensor")
+  spec, used = [], set()
+  for name, dim in zip(axes, shape):
+    mesh_axis = RULES.get(name) if name else None
+    size = mesh.shape[mesh_axis] if mesh_axis else 1
+    if mesh_axis is None or size == 1 or mesh_axis in used:
+      spec.append(None)
+    elif dim % size:
+      if name not in REPLICATE_IF_INDIVISIBLE:
+        raise JetSpecError(f"the mesh's {mesh_axis} axis ({size}) does not divide "
+                           f"{_NAMES.get(name, name)} ({dim}); choose a {mesh_axis} size that divides it")
+      spec.append(None)
+    else:
+      spec.append(mesh_axis)
+      used.add(mesh_axis)
+  return P(*spec)
+
+
+def named_sharding(axes, shape, mesh: Mesh | None):
+  """NamedSharding for logical ``axes`` (None when there is no mesh)."""
+  return None if mesh is None else NamedSharding(mesh, logical_to_spec(axes, shape, mesh))
+
+
+def shard(x: jax.Array, axes, mesh: Mesh | None) -> jax.Array:
+  """Place (or constrain, under jit) ``x`` according to its logical axes."""
+  if mesh is None:
+    return x
+  s = named_sharding(axes, x.shape, mesh)
+  if isinstance(x, jax.core.Tracer):
+    return jax.lax.with_sharding_constraint(x, s)
+  return jax.device_put(x, s)

@@ -1,0 +1,235 @@
+"""Tree-masked attention over a KV cache: a flash-attention style Pallas kernel (Triton backend).
+
+Same contract as ``jetspec_jax.attention.xla_attention`` (the reference):
+  q          [B, T, Hq, Dh]   T new rows (tree nodes, one decode token, or a prompt chunk)
+  k_cache    [B, Hkv, S, Dh]  the new rows' own keys/values already written at cache
+  v_cache    [B, Hkv, S, Dh]  positions prefix_len[b] + t, t < T (so prefix_len[b] + T <= S)
+  prefix_len [B] int32        committed keys 0..prefix_len[b]-1 are visible to every query
+  block_mask [B, T, T] bool   query i may see new key t; the diagonal is True
+  returns    [B, T, Hq, Dh]   in q.dtype; scores, softmax and accumulation in float32.
+
+Kernel layout. The grid is (batch, kv head, row block). A tile's rows are the GQA group and the T
+query rows folded together, row r = t * group + g (query head kv_head * group + g, node t), so a
+small tree still fills a tile: a decode step with group 4 is one 16-row tile. Each program reads
+its kv head's prefix keys once, in blocks of ``block_k`` under a length mask only, then the
+tree's own keys (positions prefix_len + t) in blocks of ``block_t`` under the ancestor mask,
+with an online softmax in float32 (exp2 domain). The ancestor mask travels bit-packed: int32
+words [B, T, W], bit (t % 32) of word t // 32 of row i is block_mask[b, i, t].
+
+Triton's rules, which interpret mode does not enforce, are checked by ``launch_shapes``:
+every tile dimension is a power of two and every dot operand dimension is >= 16.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from jetspec_jax.errors import JetSpecError
+
+SUPPORTED_HEAD_DIMS = (64, 128)
+SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+MIN_DOT_DIM = 16          # Triton: every dot operand dimension >= 16
+MASK_BITS = 32            # ancestor-mask bits per int32 word
+_LOG2E = math.log2(math.e)
+
+
+def _is_pow2(n: int) -> bool:
+  return n > 0 and n & (n - 1) == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchShapes:
+  """Tile sizes and grid of one kernel launch.
+
+  block_r: rows per tile (GQA group x tree nodes, folded); block_k: prefix keys per step;
+  block_t: tree keys per step; mask_words: int32 words per packed mask row, enough for every key
+  of every tree block (bits past T are zero); grid: (batch, kv heads, row blocks).
+  """
+  block_r: int
+  block_k: int
+  block_t: int
+  head_dim: int
+  num_tree_blocks: int
+  mask_words: int
+  grid: tuple[int, int, int]
+  num_warps: int
+  num_stages: int
+
+  def triton_violations(self) -> list[str]:
+    """Every breach of Triton's tile rules by these shapes (empty when the launch is legal)."""
+    problems = []
+    tiles = {"q tile": (self.block_r, self.head_dim), "prefix k/v tile": (self.block_k, self.head_dim),
+             "tree k/v tile": (self.block_t, self.head_dim), "prefix scores": (self.block_r, self.block_k),
+             "tree scores": (self.block_r, self.block_t)}
+    for name, dims in tiles.items():   # each is a dot operand (q k^T, then p v)
+      if not all(_is_pow2(d) for d in dims):
+        problems.append(f"{name} {dims} has a dimension that is not a power of two")
+      if min(dims) < MIN_DOT_DIM:
+        problems.append(f"{name} {dims} has a dot dimension below {MIN_DOT_DIM}")
+    if not _is_pow2(self.num_warps):
+      problems.append(f"num_warps={self.num_warps} is not a power of two")
+    return problems
+
+
+def launch_shapes(batch: int, num_q: int, num_q_heads: int, num_kv_heads: int, head_dim: int, *,
+                  block_r: int = 64, block_k: int = 64, num_warps: int = 4,
+                  num_stages: int = 2) -> LaunchShapes:
+  """Tile sizes for a problem; raises ``JetSpecError`` for unsupported shapes or illegal tiles.
+
+  ``block_r`` and ``block_k`` are upper bounds (powers of two >= 16): a tile never has more rows
+  than the next power of two >= max(group * num_q, 16), and the tree step never has more keys
+  than the next power of two >= max(num_q, 16).
+  """
+  if head_dim not in SUPPORTED_HEAD_DIMS:
+    raise JetSpecError(f"tree attention supports head_dim {SUPPORTED_HEAD_DIMS}, not {head_dim}.")
+  if num_kv_heads < 1 or num_q_heads % num_kv_heads:
+    raise JetSpecError(f"query heads ({num_q_heads}) must be a multiple of kv heads ({num_kv_heads}).")
+  if batch < 1 or num_q < 1:
+    raise JetSpecError(f"tree attention needs at least one batch row and one query (got B={batch}, T={num_q}).")
+  for name, value in (("block_r", block_r), ("block_k", block_k)):
+    if not _is_pow2(value) or value < MIN_DOT_DIM:
+      raise JetSpecError(f"{name}={value} must be a power of two >= {MIN_DOT_DIM}.")
+  rows = num_q_heads // num_kv_heads * num_q
+  block_r = min(block_r, pl.next_power_of_2(max(rows, MIN_DOT_DIM)))
+  block_t = min(block_k, pl.next_power_of_2(max(num_q, MIN_DOT_DIM)))
+  num_tree_blocks = pl.cdiv(num_q, block_t)
+  shapes = LaunchShapes(
+      block_r=block_r, block_k=block_k, block_t=block_t, head_dim=head_dim,
+      num_tree_blocks=num_tree_blocks, mask_words=pl.cdiv(num_tree_blocks * block_t, MASK_BITS),
+      grid=(batch, num_kv_heads, pl.cdiv(rows, block_r)), num_warps=num_warps, num_stages=num_stages)
+  if problems := shapes.triton_violations():
+    raise JetSpecError(f"illegal Triton launch for this problem: {'; '.join(problems)}.")
+  return shapes
+
+
+def pack_block_mask(block_mask: jax.Array, mask_words: int) -> jax.Array:
+  """Bit-pack block_mask [B, T, T] bool into int32 words [B, T, mask_words] (mask_words*32 >= T).
+
+  Bit (t % 32) of word t // 32 of row i is block_mask[b, i, t]; bits for t >= T are zero.
+  """
+  batch, num_q, num_keys = block_mask.shape
+  bits = jnp.pad(block_mask, ((0, 0), (0, 0), (0, mask_words * MASK_BITS - num_keys)))
+  bits = bits.reshape(batch, num_q, mask_words, MASK_BITS).astype(jnp.uint32)
+  words = jnp.sum(bits << jnp.arange(MASK_BITS, dtype=jnp.uint32), axis=-1, dtype=jnp.uint32)
+  return lax.bitcast_convert_type(words, jnp.int32)
+
+
+def _online_softmax_step(carry, scores, visible, v):
+  """Folds one key block into (acc [R, Dh] f32, m [R] f32, l [R] f32); scores are log2-scaled.
+
+  A row with no visible key yet keeps m = -inf; its probabilities are exactly zero.
+  """
+  acc, m_prev, l_prev = carry
+  scores = jnp.where(visible, scores, -jnp.inf)
+  m_next = jnp.maximum(m_prev, jnp.max(scores, axis=1))
+  m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)
+  alpha = jnp.exp2(m_prev - m_safe)
+  p = jnp.exp2(scores - m_safe[:, None])
+  l_next = l_prev * alpha + jnp.sum(p, axis=1)
+  acc = acc * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v)
+  return acc, m_next, l_next
+
+
+def _kernel(prefix_ref, q_ref, k_ref, v_ref, words_ref, o_ref, *, shapes: LaunchShapes,
+            group: int, num_q: int, qk_scale: float):
+  """One (batch, kv head, row block) tile.
+
+  Refs: prefix_ref [B] int32; q_ref, o_ref [T, Hq, Dh] (this batch row); k_ref, v_ref [S, Dh]
+  (this batch row and kv head); words_ref [T, W] int32 (this batch row's packed mask).
+  """
+  block_r, block_k, block_t = shapes.block_r, shapes.block_k, shapes.block_t
+  cache_len = k_ref.shape[0]
+  prefix = prefix_ref[pl.program_id(0)]
+  rows = pl.program_id(2) * block_r + jnp.arange(block_r)
+  node = rows // group                       # tree node of each row; >= T on padding rows
+  node_in = jnp.minimum(node, num_q - 1)     # padding rows recompute the last node, never stored
+  head = pl.program_id(1) * group + rows % group
+  q = q_ref[node_in, head, :]                # [block_r, Dh]
+
+  head_dim = shapes.head_dim
+  carry = (jnp.zeros((block_r, head_dim), jnp.float32),
+           jnp.full((block_r,), -jnp.inf, jnp.float32),
+           jnp.zeros((block_r,), jnp.float32))
+
+  def key_block(start, size, valid):
+    """Keys/values at cache positions start..start+size-1, zero where not valid."""
+    k = plgpu.load(k_ref.at[pl.ds(start, size), :], mask=valid[:, None], other=0.0)
+    v = plgpu.load(v_ref.at[pl.ds(start, size), :], mask=valid[:, None], other=0.0)
+    return k, v
+
+  prefix_end = jnp.minimum(prefix, cache_len)
+
+  def prefix_step(j, carry):
+    keys = j * block_k + jnp.arange(block_k)
+    valid = keys < prefix_end
+    k, v = key_block(j * block_k, block_k, valid)
+    scores = plgpu.dot(q, k, trans_b=True) * qk_scale
+    return _online_softmax_step(carry, scores, valid[None, :], v)
+
+  carry = lax.fori_loop(0, pl.cdiv(prefix_end, block_k), prefix_step, carry)
+
+  def tree_step(j, carry):
+    keys = j * block_t + jnp.arange(block_t)          # index t into the new rows
+    valid = (keys < num_q) & (prefix + keys < cache_len)
+    k, v = key_block(prefix + j * block_t, block_t, valid)
+    scores = plgpu.dot(q, k, trans_b=True) * qk_scale
+    words = words_ref[node_in[:, None], lax.shift_right_logical(keys, 5)[None, :]]
+    bits = lax.shift_right_logical(words, (keys & (MASK_BITS - 1))[None, :]) & 1
+    return _online_softmax_step(carry, scores, (bits != 0) & valid[None, :], v)
+
+  acc, _, l = lax.fori_loop(0, shapes.num_tree_blocks, tree_step, carry)
+  out = (acc / l[:, None]).astype(o_ref.dtype)
+  dims = jnp.arange(head_dim)
+  plgpu.store(o_ref.at[node[:, None], head[:, None], dims[None, :]], out,
+              mask=(node < num_q)[:, None])
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "interpret", "block_r", "block_k",
+                                             "num_warps", "num_stages", "debug"))
+def tree_attention(q, k_cache, v_cache, prefix_len, block_mask, *, sm_scale: float | None = None,
+                   interpret: bool = False, block_r: int = 64, block_k: int = 64,
+                   num_warps: int = 4, num_stages: int = 2, debug: bool = False):
+  """Tree-masked attention with the Pallas Triton kernel (shapes in the module docstring).
+
+  ``interpret=True`` runs the kernel on any backend; ``block_r``, ``block_k``, ``num_warps`` and
+  ``num_stages`` are tuning knobs (see ``launch_shapes``); ``debug=True`` prints the kernel jaxpr
+  and, when lowered for a GPU, its Triton IR.
+  """
+  if q.ndim != 4 or k_cache.ndim != 4:
+    raise JetSpecError(f"expected q [B, T, Hq, Dh] and k_cache [B, Hkv, S, Dh], got {q.shape} and {k_cache.shape}.")
+  batch, num_q, num_q_heads, head_dim = q.shape
+  _, num_kv_heads, cache_len, _ = k_cache.shape
+  if k_cache.shape != v_cache.shape or k_cache.shape[0] != batch or k_cache.shape[3] != head_dim:
+    raise JetSpecError(f"k_cache {k_cache.shape} and v_cache {v_cache.shape} must both be [B, Hkv, S, Dh] for q {q.shape}.")
+  if block_mask.shape != (batch, num_q, num_q) or prefix_len.shape != (batch,):
+    raise JetSpecError(f"expected block_mask [B, T, T] and prefix_len [B] for q {q.shape}, got {block_mask.shape} and {prefix_len.shape}.")
+  if cache_len < num_q:
+    raise JetSpecError(f"the cache ({cache_len} positions) cannot hold the {num_q} new rows.")
+  if q.dtype != k_cache.dtype or q.dtype != v_cache.dtype or q.dtype not in SUPPORTED_DTYPES:
+    raise JetSpecError(f"q, k_cache and v_cache must share one of float32/bfloat16/float16, got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}.")
+  shapes = launch_shapes(batch, num_q, num_q_heads, num_kv_heads, head_dim, block_r=block_r,
+                         block_k=block_k, num_warps=num_warps, num_stages=num_stages)
+  scale = head_dim ** -0.5 if sm_scale is None else sm_scale
+  kernel = functools.partial(_kernel, shapes=shapes, group=num_q_heads // num_kv_heads,
+                             num_q=num_q, qk_scale=scale * _LOG2E)
+  per_batch_q = pl.BlockSpec((None, num_q, num_q_heads, head_dim), lambda b, h, r: (b, 0, 0, 0))
+  per_head_kv = pl.BlockSpec((None, None, cache_len, head_dim), lambda b, h, r: (b, h, 0, 0))
+  return pl.pallas_call(
+      kernel,
+      grid=shapes.grid,
+      in_specs=[pl.BlockSpec((batch,), lambda b, h, r: (0,)), per_batch_q, per_head_kv, per_head_kv,
+                pl.BlockSpec((None, num_q, shapes.mask_words), lambda b, h, r: (b, 0, 0))],
+      out_specs=per_batch_q,
+      out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+      compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+      interpret=interpret,
+      debug=debug,
+      name="tree_attention",
+  )(prefix_len.astype(jnp.int32), q, k_cache, v_cache, pack_block_mask(block_mask, shapes.mask_words))

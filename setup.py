@@ -1,0 +1,24 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="jetspec-jax",
+    version="0.1.0",
+    description="JetSpec tree speculative decoding (causal parallel drafting) for Qwen3 in JAX",
+    packages=find_packages(include=["jetspec_jax", "jetspec_jax.*", "pallas_kernels", "pallas_kernels.*"]),
+    python_requires=">=3.10",
+    install_requires=[
+        "jax>=0.10,<0.12",
+        "flax>=0.12",
+        "optax>=0.2",
+        "orbax-checkpoint>=0.12",
+        "ml_collections>=1.0",
+        "safetensors>=0.4",
+        "numpy",
+        "tqdm",
+    ],
+    extras_require={
+        "hf": ["transformers==5.24.0", "tokenizers"],
+        "test": ["pytest", "transformers==5.24.0", "tokenizers", "torch==2.13.0"],
+    },
+    entry_points={"console_scripts": ["jetspec-jax=jetspec_jax.cli:main"]},
+)

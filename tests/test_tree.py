@@ -1,0 +1,208 @@
+"""Tree construction: the jitted device search against a plain-Python heapq reference."""
+import functools
+import heapq
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jetspec_jax.decode.tree import TREE_METHODS, Tree, build_tree, tree_size
+from jetspec_jax.errors import JetSpecError
+
+
+@functools.lru_cache(maxsize=None)
+def _jitted(method, budget, width, beta=2.0, g0=1.0):
+  return jax.jit(functools.partial(build_tree, method=method, budget=budget, width=width,
+                                   top2gap_beta=beta, top2gap_g0=g0))
+
+
+def _build(anchor, logits, method, budget, width, beta=2.0, g0=1.0) -> Tree:
+  tree = _jitted(method, budget, width, beta, g0)(jnp.asarray(anchor), jnp.asarray(logits))
+  return jax.tree.map(np.asarray, tree)
+
+
+def _reference_row(anchor, log_probs, method, budget, width, beta, g0):
+  """heapq best-first search for one row; log_probs [D, V] float32. Returns a dict of [N] arrays."""
+  depth = log_probs.shape[0]
+  rank = np.argsort(-log_probs, axis=-1, kind="stable")[:, :width]     # ties: lower token id first
+  top_lp = np.take_along_axis(log_probs, rank, axis=-1)
+  if method == "accum_logp":
+    caps = [width] * depth
+  elif width < 2:
+    caps = [1] * depth
+  else:
+    caps = [max(1, round(width / (1.0 + math.exp(beta * (float(top_lp[d, 0] - top_lp[d, 1]) - g0)))))
+            for d in range(depth)]
+  tokens, parents, depths, scores = [int(anchor)], [0], [0], [np.float32(0.0)]
+  heap = [(-0.0, 0)]
+  while heap and len(tokens) < budget:
+    _, p = heapq.heappop(heap)
+    d = depths[p]
+    if d >= depth:
+      continue
+    for j in range(min(caps[d], budget - len(tokens))):
+      score = np.float32(scores[p] + top_lp[d, j])                     # float32 like the device
+      heapq.heappush(heap, (-float(score), len(tokens)))
+      tokens.append(int(rank[d, j]))
+      parents.append(p)
+      depths.append(d + 1)
+      scores.append(score)
+  n = len(tokens)
+  ancestors = np.eye(budget, dtype=bool)
+  for i in range(1, n):
+    ancestors[i] |= ancestors[parents[i]]
+  pad = [0] * (budget - n)
+  return dict(tokens=np.array(tokens + pad), parents=np.array(parents + pad),
+              depths=np.array(depths + pad), valid=np.arange(budget) < n, ancestors=ancestors)
+
+
+def _assert_matches_reference(anchor, logits, method, budget, width, beta=2.0, g0=1.0):
+  tree = _build(anchor, logits, method, budget, width, beta, g0)
+  log_probs = np.asarray(jax.nn.log_softmax(jnp.asarray(logits, jnp.float32), axis=-1))
+  for b in range(logits.shape[0]):
+    ref = _reference_row(anchor[b], log_probs[b], method, budget, width, beta, g0)
+    for field, want in ref.items():
+      np.testing.assert_array_equal(getattr(tree, field)[b], want, err_msg=f"{field}, row {b}")
+  return tree
+
+
+def _random_case(seed, depth, vocab, batch=3, scale=3.0):
+  rng = np.random.default_rng(seed)
+  anchor = rng.integers(0, vocab, size=batch).astype(np.int32)
+  logits = (scale * rng.normal(size=(batch, depth, vocab))).astype(np.float32)
+  return anchor, logits
+
+
+CASES = [  # (budget, width, depth, vocab)
+    (1, 3, 4, 50),
+    (2, 1, 4, 50),
+    (2, 7, 15, 200),
+    (16, 1, 4, 50),
+    (16, 3, 1, 97),
+    (16, 7, 4, 128),
+    (64, 3, 15, 500),
+    (64, 7, 4, 300),
+    (64, 7, 15, 256),
+]
+
+
+@pytest.mark.parametrize("method", ["accum_logp", "top2gap"])
+@pytest.mark.parametrize("budget,width,depth,vocab", CASES)
+def test_matches_heapq_reference(method, budget, width, depth, vocab):
+  for seed in range(3):
+    anchor, logits = _random_case(seed, depth, vocab)
+    _assert_matches_reference(anchor, logits, method, budget, width)
+
+
+@pytest.mark.parametrize("beta,g0", [(2.0, 1.0), (1.0, 1.0), (0.5, 4.0)])
+def test_top2gap_knobs_match_reference(beta, g0):
+  for seed in range(3):
+    anchor, logits = _random_case(seed, 6, 150, scale=1.5)
+    _assert_matches_reference(anchor, logits, "top2gap", 64, 7, beta, g0)
+
+
+@pytest.mark.parametrize("method", ["accum_logp", "top2gap"])
+@pytest.mark.parametrize("same_rows", [False, True])
+def test_exact_ties_match_reference(method, same_rows):
+  """Repeated logit values tie log-probs within a depth; identical depths tie whole paths."""
+  for seed in range(3):
+    rng = np.random.default_rng(seed)
+    logits = rng.integers(0, 3, size=(3, 5, 40)).astype(np.float32)
+    if same_rows:
+      logits[:] = logits[:, :1]
+    anchor = np.arange(3, dtype=np.int32)
+    tree = _assert_matches_reference(anchor, logits, method, 48, 5)
+    assert tree.tokens[0, 1] == np.flatnonzero(logits[0, 0] == logits[0, 0].max())[0]
+
+
+def test_top2gap_rounds_half_to_even():
+  """A tied top-2 (gap 0) with g0 = 0 gives the cap round(W / 2): 7 -> 4, 5 -> 2, 3 -> 2."""
+  logits = np.full((1, 1, 20), -20.0, np.float32)
+  logits[0, 0, [4, 9]] = 0.0
+  for width, children in [(7, 4), (5, 2), (3, 2)]:
+    tree = _build(np.zeros(1, np.int32), logits, "top2gap", 16, width, beta=2.0, g0=0.0)
+    assert tree.valid[0].sum() == 1 + children
+
+
+def test_top2gap_cap_uses_the_childrens_depth():
+  """Depth 1 is decisive (cap 1) and depth 2 is flat (cap round(7 * sigmoid(2)) = 6)."""
+  logits = np.zeros((1, 2, 30), np.float32)
+  logits[0, 0, 3] = 10.0
+  tree = _build(np.array([5], np.int32), logits, "top2gap", 16, 7)
+  assert tree.valid[0].sum() == 8
+  np.testing.assert_array_equal(tree.depths[0, :8], [0, 1, 2, 2, 2, 2, 2, 2])
+  np.testing.assert_array_equal(tree.tokens[0, :8], [5, 3, 0, 1, 2, 3, 4, 5])
+
+
+def test_chain_is_per_depth_argmax():
+  anchor, logits = _random_case(0, 6, 100)
+  tree = _build(anchor, logits, "chain", 999, 999)
+  n = tree_size("chain", 999, 6)
+  assert tree.tokens.shape == (3, n) == (3, 7)
+  np.testing.assert_array_equal(tree.tokens[:, 0], anchor)
+  np.testing.assert_array_equal(tree.tokens[:, 1:], logits.argmax(-1))
+  np.testing.assert_array_equal(tree.parents[0], [0, 0, 1, 2, 3, 4, 5])
+  np.testing.assert_array_equal(tree.depths[0], np.arange(7))
+  assert tree.valid.all()
+  np.testing.assert_array_equal(tree.ancestors[1], np.tril(np.ones((7, 7), bool)))
+
+
+def test_tree_smaller_than_budget_is_padded():
+  anchor, logits = _random_case(1, 4, 60)
+  tree = _build(anchor, logits, "accum_logp", 16, 1)
+  assert tree.tokens.shape == (3, 16)
+  np.testing.assert_array_equal(tree.valid.sum(1), [5, 5, 5])
+  np.testing.assert_array_equal(tree.tokens[:, 1:5], logits.argmax(-1))
+  np.testing.assert_array_equal(tree.depths[:, :5], np.broadcast_to(np.arange(5), (3, 5)))
+  for field in (tree.tokens, tree.parents, tree.depths):
+    assert (field[:, 5:] == 0).all()
+  np.testing.assert_array_equal(tree.ancestors[:, 5:], np.broadcast_to(np.eye(16, dtype=bool)[5:], (3, 11, 16)))
+
+
+@pytest.mark.parametrize("method", ["accum_logp", "top2gap"])
+def test_tree_invariants(method):
+  anchor, logits = _random_case(7, 15, 400, scale=1.0)
+  tree = _build(anchor, logits, method, 64, 7)
+  for b in range(3):
+    n = int(tree.valid[b].sum())
+    assert tree.valid[b, :n].all() and not tree.valid[b, n:].any()
+    kids = np.arange(1, n)
+    par = tree.parents[b, kids]
+    assert (par < kids).all()
+    np.testing.assert_array_equal(tree.depths[b, kids], tree.depths[b, par] + 1)
+    for p in np.unique(par):
+      sib = tree.tokens[b, kids[par == p]]
+      assert len(set(sib.tolist())) == len(sib)
+    for i in range(n):                                   # ancestors = the path to the root
+      path, j = {i}, i
+      while j:
+        j = tree.parents[b, j]
+        path.add(j)
+      np.testing.assert_array_equal(np.flatnonzero(tree.ancestors[b, i]), sorted(path))
+
+
+def test_tree_size():
+  assert tree_size("accum_logp", 256, 15) == 256
+  assert tree_size("top2gap", 1, 15) == 1
+  assert tree_size("chain", 256, 15) == 16
+  assert set(TREE_METHODS) == {"accum_logp", "top2gap", "chain"}
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(method="beam", budget=16, width=3), "unknown tree method"),
+    (dict(method="accum_logp", budget=0, width=3), "budget"),
+    (dict(method="top2gap", budget=16, width=0), "width"),
+    (dict(method="accum_logp", budget=16, width=11), "width"),
+])
+def test_bad_arguments(kwargs, match):
+  anchor, logits = _random_case(0, 2, 10)
+  with pytest.raises(JetSpecError, match=match):
+    build_tree(jnp.asarray(anchor), jnp.asarray(logits), **kwargs)
+
+
+def test_bad_shapes():
+  anchor, logits = _random_case(0, 2, 10)
+  with pytest.raises(JetSpecError, match="depth_logits"):
+    build_tree(jnp.asarray(anchor), jnp.asarray(logits[0]), method="chain", budget=1, width=1)
