@@ -65,8 +65,10 @@ class LaunchShapes:
   def triton_violations(self) -> list[str]:
     """Every breach of Triton's tile rules by these shapes (empty when the launch is legal)."""
     problems = []
-    tiles = {"q tile": (self.block_r, self.head_dim), "prefix k/v tile": (self.block_k, self.head_dim),
-             "tree k/v tile": (self.block_t, self.head_dim), "prefix scores": (self.block_r, self.block_k),
+    tiles = {"q tile": (self.block_r, self.head_dim),
+             "prefix k/v tile": (self.block_k, self.head_dim),
+             "tree k/v tile": (self.block_t, self.head_dim),
+             "prefix scores": (self.block_r, self.block_k),
              "tree scores": (self.block_r, self.block_t)}
     for name, dims in tiles.items():   # each is a dot operand (q k^T, then p v)
       if not all(_is_pow2(d) for d in dims):
@@ -92,7 +94,7 @@ def launch_shapes(batch: int, num_q: int, num_q_heads: int, num_kv_heads: int, h
   if num_kv_heads < 1 or num_q_heads % num_kv_heads:
     raise JetSpecError(f"query heads ({num_q_heads}) must be a multiple of kv heads ({num_kv_heads}).")
   if batch < 1 or num_q < 1:
-    raise JetSpecError(f"tree attention needs at least one batch row and one query (got B={batch}, T={num_q}).")
+    raise JetSpecError(f"tree attention needs a batch row and a query, got B={batch}, T={num_q}.")
   for name, value in (("block_r", block_r), ("block_k", block_k)):
     if not _is_pow2(value) or value < MIN_DOT_DIM:
       raise JetSpecError(f"{name}={value} must be a power of two >= {MIN_DOT_DIM}.")
@@ -180,8 +182,8 @@ def _kernel(prefix_ref, q_ref, k_ref, v_ref, words_ref, o_ref, *, shapes: Launch
     valid = (keys < num_q) & (prefix + keys < cache_len)
     k, v = key_block(prefix + j * block_t, block_t, valid)
     scores = plgpu.dot(q, k, trans_b=True) * qk_scale
-    words = words_ref[node_in[:, None], lax.shift_right_logical(keys, 5)[None, :]]
-    bits = lax.shift_right_logical(words, (keys & (MASK_BITS - 1))[None, :]) & 1
+    words = words_ref[node_in[:, None], (keys // MASK_BITS)[None, :]]       # [block_r, block_t]
+    bits = lax.shift_right_logical(words, (keys % MASK_BITS)[None, :]) & 1
     return _online_softmax_step(carry, scores, (bits != 0) & valid[None, :], v)
 
   acc, _, l = lax.fori_loop(0, shapes.num_tree_blocks, tree_step, carry)
@@ -203,17 +205,21 @@ def tree_attention(q, k_cache, v_cache, prefix_len, block_mask, *, sm_scale: flo
   and, when lowered for a GPU, its Triton IR.
   """
   if q.ndim != 4 or k_cache.ndim != 4:
-    raise JetSpecError(f"expected q [B, T, Hq, Dh] and k_cache [B, Hkv, S, Dh], got {q.shape} and {k_cache.shape}.")
+    raise JetSpecError(
+        f"expected q [B, T, Hq, Dh] and k_cache [B, Hkv, S, Dh], got {q.shape} and {k_cache.shape}.")
   batch, num_q, num_q_heads, head_dim = q.shape
   _, num_kv_heads, cache_len, _ = k_cache.shape
   if k_cache.shape != v_cache.shape or k_cache.shape[0] != batch or k_cache.shape[3] != head_dim:
-    raise JetSpecError(f"k_cache {k_cache.shape} and v_cache {v_cache.shape} must both be [B, Hkv, S, Dh] for q {q.shape}.")
+    raise JetSpecError(f"k_cache {k_cache.shape} and v_cache {v_cache.shape} must both be "
+                       f"[B, Hkv, S, Dh] for q {q.shape}.")
   if block_mask.shape != (batch, num_q, num_q) or prefix_len.shape != (batch,):
-    raise JetSpecError(f"expected block_mask [B, T, T] and prefix_len [B] for q {q.shape}, got {block_mask.shape} and {prefix_len.shape}.")
+    raise JetSpecError(f"expected block_mask [B, T, T] and prefix_len [B] for q {q.shape}, "
+                       f"got {block_mask.shape} and {prefix_len.shape}.")
   if cache_len < num_q:
     raise JetSpecError(f"the cache ({cache_len} positions) cannot hold the {num_q} new rows.")
   if q.dtype != k_cache.dtype or q.dtype != v_cache.dtype or q.dtype not in SUPPORTED_DTYPES:
-    raise JetSpecError(f"q, k_cache and v_cache must share one of float32/bfloat16/float16, got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}.")
+    raise JetSpecError(f"q, k_cache and v_cache must share one of float32/bfloat16/float16, "
+                       f"got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}.")
   shapes = launch_shapes(batch, num_q, num_q_heads, num_kv_heads, head_dim, block_r=block_r,
                          block_k=block_k, num_warps=num_warps, num_stages=num_stages)
   scale = head_dim ** -0.5 if sm_scale is None else sm_scale

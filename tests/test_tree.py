@@ -60,6 +60,7 @@ def _reference_row(anchor, log_probs, method, budget, width, beta, g0):
 
 def _assert_matches_reference(anchor, logits, method, budget, width, beta=2.0, g0=1.0):
   tree = _build(anchor, logits, method, budget, width, beta, g0)
+  # XLA's own log-probs, so ulp-level differences from a NumPy softmax cannot reorder near-ties.
   log_probs = np.asarray(jax.nn.log_softmax(jnp.asarray(logits, jnp.float32), axis=-1))
   for b in range(logits.shape[0]):
     ref = _reference_row(anchor[b], log_probs[b], method, budget, width, beta, g0)
@@ -77,13 +78,11 @@ def _random_case(seed, depth, vocab, batch=3, scale=3.0):
 
 CASES = [  # (budget, width, depth, vocab)
     (1, 3, 4, 50),
-    (2, 1, 4, 50),
     (2, 7, 15, 200),
     (16, 1, 4, 50),
     (16, 3, 1, 97),
     (16, 7, 4, 128),
     (64, 3, 15, 500),
-    (64, 7, 4, 300),
     (64, 7, 15, 256),
 ]
 
@@ -96,7 +95,7 @@ def test_matches_heapq_reference(method, budget, width, depth, vocab):
     _assert_matches_reference(anchor, logits, method, budget, width)
 
 
-@pytest.mark.parametrize("beta,g0", [(2.0, 1.0), (1.0, 1.0), (0.5, 4.0)])
+@pytest.mark.parametrize("beta,g0", [(1.0, 1.0), (0.5, 4.0)])
 def test_top2gap_knobs_match_reference(beta, g0):
   for seed in range(3):
     anchor, logits = _random_case(seed, 6, 150, scale=1.5)
@@ -115,6 +114,14 @@ def test_exact_ties_match_reference(method, same_rows):
     anchor = np.arange(3, dtype=np.int32)
     tree = _assert_matches_reference(anchor, logits, method, 48, 5)
     assert tree.tokens[0, 1] == np.flatnonzero(logits[0, 0] == logits[0, 0].max())[0]
+
+
+@pytest.mark.parametrize("method", ["accum_logp", "top2gap"])
+def test_masked_vocabulary_matches_reference(method):
+  """-inf logits (fewer finite tokens than W) give -inf scores that still order like heapq."""
+  anchor, logits = _random_case(3, 5, 40)
+  logits[:, :, 3:] = -np.inf
+  _assert_matches_reference(anchor, logits, method, 48, 5)
 
 
 def test_top2gap_rounds_half_to_even():
@@ -147,6 +154,8 @@ def test_chain_is_per_depth_argmax():
   np.testing.assert_array_equal(tree.depths[0], np.arange(7))
   assert tree.valid.all()
   np.testing.assert_array_equal(tree.ancestors[1], np.tril(np.ones((7, 7), bool)))
+  ties = np.random.default_rng(0).integers(0, 3, size=(3, 6, 100)).astype(np.float32)
+  np.testing.assert_array_equal(_build(anchor, ties, "chain", 1, 1).tokens[:, 1:], ties.argmax(-1))
 
 
 def test_tree_smaller_than_budget_is_padded():
@@ -163,7 +172,7 @@ def test_tree_smaller_than_budget_is_padded():
 
 @pytest.mark.parametrize("method", ["accum_logp", "top2gap"])
 def test_tree_invariants(method):
-  anchor, logits = _random_case(7, 15, 400, scale=1.0)
+  anchor, logits = _random_case(7, 15, 256, scale=1.0)
   tree = _build(anchor, logits, method, 64, 7)
   for b in range(3):
     n = int(tree.valid[b].sum())

@@ -68,7 +68,8 @@ def _chain(anchor: jax.Array, depth_logits: jax.Array) -> Tree:
   """Chain of the per-depth argmax tokens: N = D + 1 nodes, node d at depth d."""
   batch, depth, _ = depth_logits.shape
   n = depth + 1
-  best = jnp.argmax(depth_logits, axis=-1).astype(jnp.int32)               # [B, D]
+  # top_k(., 1) is argmax with ties to the lower token id, about 3x faster on CPU at V = 32k.
+  best = jax.lax.top_k(depth_logits, 1)[1][..., 0].astype(jnp.int32)       # [B, D]
   tokens = jnp.concatenate([anchor[:, None].astype(jnp.int32), best], axis=1)
   idx = jnp.arange(n, dtype=jnp.int32)
   rows = jnp.broadcast_to(idx, (batch, n))
@@ -81,13 +82,12 @@ def _chain(anchor: jax.Array, depth_logits: jax.Array) -> Tree:
 
 
 def _fanout_caps(top_lp: jax.Array, method: str, width: int, beta: float, g0: float) -> jax.Array:
-  """Per-depth child cap [D] int32 from the per-depth top-W log-probs [D, W]."""
-  depth = top_lp.shape[0]
+  """Child cap [..., D] int32 per parent depth from the per-depth top-W log-probs [..., D, W]."""
   if method == "accum_logp":
-    return jnp.full((depth,), width, jnp.int32)
+    return jnp.full(top_lp.shape[:-1], width, jnp.int32)
   if width < 2:                                   # max(1, round(1 * s)) == 1 for any s in [0, 1]
-    return jnp.ones((depth,), jnp.int32)
-  gap = top_lp[:, 0] - top_lp[:, 1]
+    return jnp.ones(top_lp.shape[:-1], jnp.int32)
+  gap = top_lp[..., 0] - top_lp[..., 1]
   frac = jax.nn.sigmoid(-jnp.float32(beta) * (gap - jnp.float32(g0)))
   return jnp.maximum(1, jnp.round(width * frac)).astype(jnp.int32)
 
@@ -175,7 +175,7 @@ def build_tree(anchor: jax.Array, depth_logits: jax.Array, *, method: str, budge
   # The barrier keeps XLA from rewriting top_k plus the slices of it that top2gap takes into
   # a full-vocabulary sort (about 70x slower on CPU at V = 32k).
   top_lp, top_tok = jax.lax.optimization_barrier(jax.lax.top_k(log_probs, width))  # [B, D, W]
-  caps = jax.vmap(lambda lp: _fanout_caps(lp, method, width, top2gap_beta, top2gap_g0))(top_lp)
+  caps = _fanout_caps(top_lp, method, width, top2gap_beta, top2gap_g0)    # [B, D]
   tokens, parents, depths, valid, ancestors = jax.vmap(
       lambda a, t, lp, c: _heap_tree(a, t, lp, c, budget))(
           anchor.astype(jnp.int32), top_tok.astype(jnp.int32), top_lp, caps)

@@ -1,0 +1,169 @@
+"""GPU check of JetSpec-JAX: correctness and speed on the device, printed and saved as JSON.
+
+Kernel section: the Pallas tree-attention kernel against the XLA reference for Qwen3-8B attention
+(B=1, 32 query heads, 8 kv heads, head_dim 128, bf16), N tree nodes x prefix length. Per row:
+error vs XLA, median kernel and XLA times, and the kernel's achieved bandwidth counting the K/V
+of prefix + N keys read once, as a fraction of the device's HBM bandwidth.
+
+  python bench/gpu_check.py                 # on the GPU; JSON to $OUT/gpu_check.json when $OUT is set
+  python bench/gpu_check.py --smoke         # on CPU: tiny shapes, kernel in interpret mode
+
+Exits non-zero when a kernel row's relative error exceeds its dtype's tolerance.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run as a script from anywhere
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jetspec_jax.attention import xla_attention
+from pallas_kernels.tree_attention import tree_attention
+
+HBM_BYTES_PER_S = {"H200": 4.8e12, "H100": 3.35e12}   # matched against jax device_kind
+REL_TOLERANCE = {"bfloat16": 1e-2, "float32": 1e-5}
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionShape:
+  """One model's attention: batch, query heads, kv heads, head_dim, dtype name."""
+  batch: int
+  num_q_heads: int
+  num_kv_heads: int
+  head_dim: int
+  dtype: str
+
+
+QWEN3_8B = AttentionShape(batch=1, num_q_heads=32, num_kv_heads=8, head_dim=128, dtype="bfloat16")
+SMOKE = AttentionShape(batch=1, num_q_heads=4, num_kv_heads=2, head_dim=64, dtype="bfloat16")
+SWEEP = {"full": ((1, 16, 64, 128, 256), (1024, 4096, 16384)), "smoke": ((1, 5), (3, 40))}
+
+
+def hbm_bytes_per_s(device_kind: str, gbps_flag: float | None) -> float | None:
+  """Peak HBM bandwidth: the --hbm-gbps flag if given, else by device kind, else unknown."""
+  if gbps_flag is not None:
+    return gbps_flag * 1e9
+  return next((bw for name, bw in HBM_BYTES_PER_S.items() if name in device_kind), None)
+
+
+def random_tree_mask(rng: np.random.Generator, batch: int, num_nodes: int) -> np.ndarray:
+  """[batch, N, N] ancestor masks of random trees (node 0 the root, parents before children)."""
+  masks = np.zeros((batch, num_nodes, num_nodes), bool)
+  for b in range(batch):
+    masks[b] = np.eye(num_nodes, dtype=bool)
+    for i in range(1, num_nodes):
+      masks[b, i] |= masks[b, rng.integers(0, i)]
+  return masks
+
+
+def make_inputs(shape: AttentionShape, num_nodes: int, prefix: int, seed: int):
+  """(q, k_cache, v_cache, prefix_len, block_mask) with the cache exactly prefix + N long."""
+  rng = np.random.default_rng(seed)
+  dtype = jnp.dtype(shape.dtype)
+  cache = (shape.batch, shape.num_kv_heads, prefix + num_nodes, shape.head_dim)
+  normal = lambda dims: jnp.asarray(rng.standard_normal(dims, np.float32), dtype)
+  return (normal((shape.batch, num_nodes, shape.num_q_heads, shape.head_dim)), normal(cache),
+          normal(cache), jnp.full((shape.batch,), prefix, jnp.int32),
+          jnp.asarray(random_tree_mask(rng, shape.batch, num_nodes)))
+
+
+def median_seconds(fn, args, *, iters: int, reps: int) -> float:
+  """Median over ``iters`` samples of one call's time; a sample is ``reps`` back-to-back calls
+  then block_until_ready, so host dispatch overlaps device work. Warm-up (compile) excluded."""
+  jax.block_until_ready(fn(*args))
+  samples = []
+  for _ in range(iters):
+    start = time.perf_counter()
+    for _ in range(reps):
+      out = fn(*args)
+    jax.block_until_ready(out)
+    samples.append((time.perf_counter() - start) / reps)
+  return statistics.median(samples)
+
+
+def kernel_section(*, smoke: bool, iters: int, reps: int, hbm: float | None,
+                   tuning: dict) -> list[dict]:
+  """Kernel vs XLA over the N x prefix sweep; one row (a dict) per problem."""
+  shape = SMOKE if smoke else QWEN3_8B
+  node_counts, prefixes = SWEEP["smoke" if smoke else "full"]
+  kernel = jax.jit(lambda *a: tree_attention(*a, interpret=smoke, **tuning))
+  reference = jax.jit(xla_attention)
+  itemsize = jnp.dtype(shape.dtype).itemsize
+  rows = []
+  for num_nodes in node_counts:
+    for prefix in prefixes:
+      args = make_inputs(shape, num_nodes, prefix, seed=1000 * num_nodes + prefix)
+      out = np.asarray(kernel(*args), np.float32)
+      ref = np.asarray(reference(*args), np.float32)
+      max_err = float(np.max(np.abs(out - ref)))
+      kernel_s = median_seconds(kernel, args, iters=iters, reps=reps)
+      xla_s = median_seconds(reference, args, iters=iters, reps=reps)
+      kv_bytes = 2 * shape.batch * shape.num_kv_heads * (prefix + num_nodes) * shape.head_dim * itemsize
+      rows.append(dict(
+          n=num_nodes, prefix=prefix, max_abs_err=max_err,
+          rel_err=max_err / float(np.max(np.abs(ref))), kernel_us=kernel_s * 1e6, xla_us=xla_s * 1e6,
+          speedup=xla_s / kernel_s, kv_bytes=kv_bytes, kernel_gbps=kv_bytes / kernel_s / 1e9,
+          hbm_fraction=None if hbm is None else kv_bytes / kernel_s / hbm))
+  return rows
+
+
+def format_table(rows: list[dict]) -> str:
+  """Rows as an aligned text table (floats to 4 significant digits)."""
+  columns = list(rows[0])
+  cell = lambda v: "-" if v is None else f"{v:.4g}" if isinstance(v, float) else str(v)
+  cells = [columns] + [[cell(row[c]) for c in columns] for row in rows]
+  widths = [max(len(line[i]) for line in cells) for i in range(len(columns))]
+  return "\n".join("  ".join(v.rjust(w) for v, w in zip(line, widths)) for line in cells)
+
+
+def main(argv: list[str] | None = None) -> int:
+  """Runs every section, prints the tables, writes $OUT/gpu_check.json; 1 if a check failed."""
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--smoke", action="store_true", help="tiny shapes, kernel in interpret mode (CPU)")
+  parser.add_argument("--hbm-gbps", type=float, help="peak HBM bandwidth in GB/s for unknown devices")
+  parser.add_argument("--iters", type=int, default=20, help="timing samples per measurement")
+  parser.add_argument("--reps", type=int, default=10, help="back-to-back calls per timing sample")
+  parser.add_argument("--block-r", type=int, default=64)
+  parser.add_argument("--block-k", type=int, default=64)
+  parser.add_argument("--num-warps", type=int, default=4)
+  parser.add_argument("--num-stages", type=int, default=2)
+  args = parser.parse_args(argv)
+  if args.smoke:
+    args.iters, args.reps = min(args.iters, 3), 1
+
+  device = jax.devices()[0]
+  hbm = hbm_bytes_per_s(device.device_kind, args.hbm_gbps)
+  tuning = dict(block_r=args.block_r, block_k=args.block_k, num_warps=args.num_warps,
+                num_stages=args.num_stages)
+  rows = kernel_section(smoke=args.smoke, iters=args.iters, reps=args.reps, hbm=hbm, tuning=tuning)
+  shape = SMOKE if args.smoke else QWEN3_8B
+  failed = [r for r in rows if not r["rel_err"] <= REL_TOLERANCE[shape.dtype]]
+
+  print(f"device: {device.device_kind} ({device.platform}), jax {jax.__version__}, "
+        f"HBM {'unknown' if hbm is None else f'{hbm / 1e12:.2f} TB/s'}")
+  print(f"\nkernel vs XLA, {shape}, tuning {tuning}:")
+  print(format_table(rows))
+  print(f"\nkernel errors within {REL_TOLERANCE[shape.dtype]:g}: {len(rows) - len(failed)}/{len(rows)}")
+
+  report = dict(device_kind=device.device_kind, platform=device.platform, jax_version=jax.__version__,
+                hbm_bytes_per_s=hbm, smoke=args.smoke, iters=args.iters, reps=args.reps,
+                kernel=dict(shape=dataclasses.asdict(shape), tuning=tuning, rows=rows))
+  if out_dir := os.environ.get("OUT"):
+    path = Path(out_dir) / "gpu_check.json"
+    path.write_text(json.dumps(report, indent=2))
+    print(f"wrote {path}")
+  return 1 if failed else 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

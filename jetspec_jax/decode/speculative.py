@@ -1,0 +1,164 @@
+"""The JetSpec speculative generation loop: prefill, then one ``lax.while_loop`` whose body is
+draft -> build tree -> verify -> accept -> commit, with no host round-trip per round.
+
+Invariants at the top of every round (per sequence b):
+  target cache rows 0..prefix_len[b]-1 hold the committed tokens except ``last_token``;
+  draft context cache rows 0..prefix_len[b]-1 hold those same positions' fused target features;
+  ``last_token`` (the newest committed token) is the anchor of the next block.
+Greedy output is identical to plain autoregressive decoding (tested in float32).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Callable
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jetspec_jax.config import Qwen3Config
+from jetspec_jax.decode import verify
+from jetspec_jax.decode.loop import DecodeState, block_until_ready, commit_tokens, prefill, resolve_eos
+from jetspec_jax.decode.prompts import batch_prompts
+from jetspec_jax.decode.tree import TREE_METHODS, build_tree, tree_size
+from jetspec_jax.errors import JetSpecError
+from jetspec_jax.models import draft_head, qwen3
+from jetspec_jax.models.draft_head import DraftConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class TreeConfig:
+  """Static tree shape: method (accum_logp | top2gap | chain), node budget (counts the root),
+  width W (top-W tokens per depth) and depth D (<= block_size - 1)."""
+  method: str = "accum_logp"
+  budget: int = 16
+  width: int = 7
+  depth: int = 15
+
+  def num_nodes(self) -> int:
+    return tree_size(self.method, self.budget, self.depth)
+
+  def validate(self, head: DraftConfig) -> None:
+    if self.method not in TREE_METHODS:
+      raise JetSpecError(f"unknown tree method {self.method!r}; choose one of {', '.join(TREE_METHODS)}")
+    if not 1 <= self.depth <= head.depth:
+      raise JetSpecError(f"tree depth {self.depth} must be between 1 and the head's block_size - 1 = {head.depth}")
+    if self.budget < 1 or self.width < 1:
+      raise JetSpecError(f"tree budget ({self.budget}) and width ({self.width}) must be at least 1")
+    if self.width > head.vocab_size:
+      raise JetSpecError(f"tree width {self.width} exceeds the vocabulary size {head.vocab_size}")
+
+
+@flax.struct.dataclass
+class SpecState:
+  """DecodeState plus the draft head's context cache and acceptance metrics."""
+  base: DecodeState
+  draft_cache: qwen3.KVCache
+  rounds: jax.Array         # [B] int32 rounds each sequence took part in
+  depth_hist: jax.Array     # [B, D+1] int32 rounds that accepted exactly d draft tokens
+
+
+# A drafter maps (target params, head params, state) -> (per-depth logits [B, D, V], draft cache).
+Drafter = Callable[..., tuple[jax.Array, qwen3.KVCache]]
+
+
+def head_drafter(target_params, head_params, state: SpecState, *, cfg, head_cfg, tree_cfg, attn_impl):
+  """The JetSpec head: per-depth logits of the block [last_token, mask...] after the context."""
+  return draft_head.draft_logits(head_params, head_cfg, target_params, cfg, state.draft_cache,
+                                 state.base.prefix_len, state.base.last_token, tree_cfg.depth, attn_impl)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "head_cfg"), donate_argnames=("draft_cache",))
+def prefill_context(head_params, draft_cache, taps, *, cfg, head_cfg):
+  """Fuse the prompt's tapped features into the head's context cache (rows 0..T-1)."""
+  del cfg
+  start = jnp.zeros((taps.shape[0],), jnp.int32)
+  return draft_head.append_context(head_params, head_cfg, draft_cache, taps, start)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "head_cfg", "tree_cfg", "eos_ids", "attn_impl", "mesh",
+                                             "drafter"), donate_argnames=("state",))
+def spec_decode(target_params, head_params, state: SpecState, *, cfg: Qwen3Config, head_cfg: DraftConfig,
+                tree_cfg: TreeConfig, eos_ids: tuple[int, ...], attn_impl: str = "xla", mesh=None,
+                drafter: Drafter = head_drafter) -> SpecState:
+  """Speculative rounds until every sequence is done."""
+  depth = tree_cfg.depth
+
+  def body(s: SpecState) -> SpecState:
+    b = s.base
+    active = ~b.done
+    depth_logits, draft_cache = drafter(target_params, head_params, s, cfg=cfg, head_cfg=head_cfg,
+                                        tree_cfg=tree_cfg, attn_impl=attn_impl)
+    tree = build_tree(b.last_token, depth_logits, method=tree_cfg.method, budget=tree_cfg.budget,
+                      width=tree_cfg.width)
+    logits, cache, taps = verify.verify_tree(target_params, cfg, tree, b.cache, b.prefix_len,
+                                             tap_layers=head_cfg.target_layer_ids, attn_impl=attn_impl, mesh=mesh)
+    target_next = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    acc = verify.greedy_accept(tree, target_next, depth)
+    cache = verify.compact_cache(cache, b.prefix_len, acc.path)
+    path_taps = jnp.take_along_axis(taps, acc.path[:, :, None], axis=1)              # [B, D+1, F]
+    draft_cache = draft_head.append_context(head_params, head_cfg, draft_cache, path_taps, b.prefix_len)
+    new, count = verify.accepted_tokens(tree, acc)
+    tokens, num, done, _ = commit_tokens(b.tokens, b.num_tokens, b.done, new, count, eos_ids)
+    base = DecodeState(cache=cache, tokens=tokens, num_tokens=num,
+                       last_token=jnp.where(active, acc.correction, b.last_token),
+                       prefix_len=b.prefix_len + jnp.where(active, count, 0), done=done, key=b.key,
+                       steps=b.steps + 1)
+    hist = s.depth_hist + (jax.nn.one_hot(acc.depth, depth + 1, dtype=jnp.int32) * active[:, None])
+    return SpecState(base=base, draft_cache=draft_cache, rounds=s.rounds + active.astype(jnp.int32),
+                     depth_hist=hist)
+
+  return jax.lax.while_loop(lambda s: ~jnp.all(s.base.done), body, state)
+
+
+def cache_lengths(prompt_len: int, max_new_tokens: int, head_cfg: DraftConfig, tree_cfg: TreeConfig):
+  """(target, draft) cache sizes: committed rows plus the round's scratch rows."""
+  committed = prompt_len + max_new_tokens
+  return committed + tree_cfg.num_nodes() + 1, committed + max(head_cfg.block_size, tree_cfg.depth + 1) + 1
+
+
+def generate_speculative(target_params, cfg: Qwen3Config, head_params, head_cfg: DraftConfig, prompts, *,
+                         max_new_tokens: int, tree_cfg: TreeConfig = TreeConfig(), eos_ids=None,
+                         attn_impl: str = "xla", mesh=None, drafter: Drafter = head_drafter) -> dict:
+  """Greedy JetSpec generation for token-id prompts. Returns tokens, metrics and timing."""
+  tree_cfg.validate(head_cfg)
+  head_cfg.validate(cfg)
+  tokens, lengths = batch_prompts(prompts, cfg.vocab_size)
+  eos = resolve_eos(cfg, eos_ids)
+  batch = len(prompts)
+  target_len, draft_len = cache_lengths(tokens.shape[1], max_new_tokens, head_cfg, tree_cfg)
+  dtype = target_params["embed"].dtype
+  cache = qwen3.init_cache(cfg, batch, target_len, dtype, mesh)
+  draft_cache = draft_head.init_context_cache(head_cfg, batch, draft_len, head_params["fc"].dtype, mesh)
+  t0 = time.perf_counter()
+  base, taps = prefill(target_params, cache, jnp.asarray(tokens), jnp.asarray(lengths), jax.random.key(0),
+                       cfg=cfg, max_new_tokens=max_new_tokens, eos_ids=eos, temperature=0.0, attn_impl=attn_impl,
+                       tap_layers=head_cfg.target_layer_ids, mesh=mesh)
+  draft_cache = prefill_context(head_params, draft_cache, taps, cfg=cfg, head_cfg=head_cfg)
+  state = SpecState(base=base, draft_cache=draft_cache, rounds=jnp.zeros((batch,), jnp.int32),
+                    depth_hist=jnp.zeros((batch, tree_cfg.depth + 1), jnp.int32))
+  block_until_ready(state)
+  t1 = time.perf_counter()
+  state = spec_decode(target_params, head_params, state, cfg=cfg, head_cfg=head_cfg, tree_cfg=tree_cfg,
+                      eos_ids=eos, attn_impl=attn_impl, mesh=mesh, drafter=drafter)
+  out, num, rounds, hist = jax.device_get((state.base.tokens, state.base.num_tokens, state.rounds,
+                                           state.depth_hist))
+  t2 = time.perf_counter()
+  return {"token_ids": [out[b, :num[b]].tolist() for b in range(batch)],
+          "prefill_s": t1 - t0, "decode_s": t2 - t1, **speculative_metrics(num, rounds, hist, tree_cfg)}
+
+
+def speculative_metrics(num_tokens, rounds, depth_hist, tree_cfg: TreeConfig) -> dict:
+  """tau (committed tokens per round, the prefill's first token excluded), per-depth acceptance."""
+  num_tokens, rounds, hist = np.asarray(num_tokens), np.asarray(rounds), np.asarray(depth_hist).sum(0)
+  total_rounds = int(rounds.sum())
+  decoded = int(num_tokens.sum()) - len(num_tokens)
+  at_least = hist[::-1].cumsum()[::-1]                      # rounds accepting >= d draft tokens
+  return {"num_tokens": int(num_tokens.sum()), "rounds": total_rounds,
+          "tau": decoded / total_rounds if total_rounds else 0.0,
+          "depth_histogram": hist.tolist(),
+          "acceptance_by_depth": [float(at_least[d] / max(total_rounds, 1)) for d in range(1, len(hist))],
+          "tree": dataclasses.asdict(tree_cfg) | {"num_nodes": tree_cfg.num_nodes()}}

@@ -1,0 +1,242 @@
+"""The JetSpec causal parallel draft head (DFlash architecture with a causal block).
+
+A small Qwen3-style decoder stack with no embedding and no LM head of its own (it uses the
+target's). Target features (residual outputs of ``target_layer_ids``, concatenated) are fused
+as ``ctx = RMSNorm(concat @ fc)`` and serve as extra keys/values in EVERY layer:
+k = k_norm(concat[k_proj(ctx), k_proj(h)]), v = concat[v_proj(ctx), v_proj(h)], q from h.
+Since ctx does not depend on the layer input, each layer's context K/V is computed once per
+context row and cached across rounds (``append_context``).
+
+Block input: [anchor, mask x (bs-1)] at positions ctx_len .. ctx_len+bs-1. Causal head: slot j
+sees all context rows and slots 0..j; bidirectional (DFlash) head: all slots. Slots 1..bs-1 go
+through the target's final norm-free LM head after the head's own final norm: slot d is the
+distribution for depth d.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jetspec_jax.attention import attention
+from jetspec_jax.config import Qwen3Config
+from jetspec_jax.errors import JetSpecError
+from jetspec_jax.models import qwen3
+from jetspec_jax.models.layers import ParamSpec, attention_block, init_params, rms_norm, rope, swiglu, write_rows
+from jetspec_jax.sharding import shard
+
+
+def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
+  """The published rule: evenly spaced from layer 1 to L-3 ([1,9,17,25,33] for L=36, n=5)."""
+  if num_draft_layers == 1:
+    return (num_target_layers // 2,)
+  span = num_target_layers - 4
+  return tuple(int(round(1 + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers))
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftConfig:
+  """Draft-head hyper-parameters (HF format: Qwen3 config + block_size, num_target_layers, dflash_config)."""
+  hidden_size: int
+  intermediate_size: int
+  num_hidden_layers: int
+  num_attention_heads: int
+  num_key_value_heads: int
+  head_dim: int
+  block_size: int
+  target_layer_ids: tuple[int, ...]
+  target_hidden_size: int
+  num_target_layers: int
+  vocab_size: int
+  mask_token_id: int
+  causal: bool = True
+  rms_norm_eps: float = 1e-6
+  rope_theta: float = 1_000_000.0
+
+  @property
+  def depth(self) -> int:
+    """Draft depths per block (block slots 1..bs-1)."""
+    return self.block_size - 1
+
+  @classmethod
+  def for_target(cls, target: Qwen3Config, num_layers: int = 1, block_size: int = 16, causal: bool = True,
+                 mask_token_id: int | None = None, target_layer_ids=None, **overrides) -> "DraftConfig":
+    """A head shaped like the target's layers (the published recipe), with the default taps."""
+    layer_ids = tuple(target_layer_ids or default_target_layer_ids(target.num_hidden_layers, num_layers))
+    fields = dict(hidden_size=target.hidden_size, intermediate_size=target.intermediate_size or
+                  target.moe_intermediate_size * 8, num_hidden_layers=num_layers,
+                  num_attention_heads=target.num_attention_heads, num_key_value_heads=target.num_key_value_heads,
+                  head_dim=target.head_dim, block_size=block_size, target_layer_ids=layer_ids,
+                  target_hidden_size=target.hidden_size, num_target_layers=target.num_hidden_layers,
+                  vocab_size=target.vocab_size,
+                  mask_token_id=target.vocab_size - 1 if mask_token_id is None else mask_token_id,
+                  causal=causal, rms_norm_eps=target.rms_norm_eps, rope_theta=target.rope_theta)
+    fields.update(overrides)
+    cfg = cls(**fields)
+    cfg.validate(target)
+    return cfg
+
+  def validate(self, target: Qwen3Config | None = None) -> None:
+    if self.block_size < 2:
+      raise JetSpecError(f"block_size={self.block_size} must be at least 2 (one anchor and one draft slot)")
+    if self.num_attention_heads % self.num_key_value_heads:
+      raise JetSpecError("draft head: num_attention_heads is not a multiple of num_key_value_heads")
+    if target is not None:
+      bad = [i for i in self.target_layer_ids if not 0 <= i < target.num_hidden_layers]
+      if bad:
+        raise JetSpecError(f"draft head taps target layer {bad[0]}, but the target has "
+                           f"{target.num_hidden_layers} layers")
+      if self.target_hidden_size != target.hidden_size or self.vocab_size != target.vocab_size:
+        raise JetSpecError(f"draft head was built for a target with hidden size {self.target_hidden_size} and "
+                           f"vocabulary {self.vocab_size}, not {target.hidden_size} and {target.vocab_size}")
+      if not 0 <= self.mask_token_id < target.vocab_size:
+        raise JetSpecError(f"mask_token_id {self.mask_token_id} is outside the target vocabulary")
+
+  def to_hf_dict(self, dtype: str = "bfloat16") -> dict[str, Any]:
+    """The config.json of a published JetSpec / DFlash head."""
+    return {
+        "architectures": ["DFlashDraftModel"], "model_type": "qwen3",
+        "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
+        "num_hidden_layers": self.num_hidden_layers, "num_attention_heads": self.num_attention_heads,
+        "num_key_value_heads": self.num_key_value_heads, "head_dim": self.head_dim,
+        "hidden_act": "silu", "rms_norm_eps": self.rms_norm_eps, "vocab_size": self.vocab_size,
+        "rope_parameters": {"rope_theta": self.rope_theta, "rope_type": "default"}, "rope_theta": self.rope_theta,
+        "attention_bias": False, "tie_word_embeddings": False, "dtype": dtype,
+        "block_size": self.block_size, "num_target_layers": self.num_target_layers,
+        "dflash_config": {"causal_head": self.causal, "target_layer_ids": list(self.target_layer_ids),
+                          "mask_token_id": self.mask_token_id, "target_hidden_size": self.target_hidden_size},
+    }
+
+  @classmethod
+  def from_hf_dict(cls, d: dict[str, Any]) -> "DraftConfig":
+    dflash = d.get("dflash_config")
+    if not isinstance(dflash, dict) or "block_size" not in d:
+      raise JetSpecError("config.json is not a JetSpec/DFlash draft head (no block_size / dflash_config)")
+    missing = [k for k in ("target_layer_ids", "mask_token_id") if k not in dflash]
+    missing += [k for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                            "vocab_size", "num_target_layers") if k not in d]
+    if missing:
+      raise JetSpecError(f"draft head config.json is missing key(s): {', '.join(missing)}")
+    rope = d.get("rope_parameters") or {}
+    heads = d["num_attention_heads"]
+    return cls(hidden_size=d["hidden_size"], intermediate_size=d["intermediate_size"],
+               num_hidden_layers=d["num_hidden_layers"], num_attention_heads=heads,
+               num_key_value_heads=d.get("num_key_value_heads", heads),
+               head_dim=d.get("head_dim") or d["hidden_size"] // heads, block_size=d["block_size"],
+               target_layer_ids=tuple(dflash["target_layer_ids"]),
+               target_hidden_size=dflash.get("target_hidden_size", d["hidden_size"]),
+               num_target_layers=d["num_target_layers"], vocab_size=d["vocab_size"],
+               mask_token_id=dflash["mask_token_id"], causal=bool(dflash.get("causal_head", True)),
+               rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+               rope_theta=float(rope.get("rope_theta", d.get("rope_theta", 1_000_000.0))))
+
+
+def param_specs(cfg: DraftConfig) -> dict[str, ParamSpec]:
+  """Every weight of the head, declared once."""
+  h, nq, nkv, dh, mi = (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+                        cfg.intermediate_size)
+  specs = {"fc": ParamSpec((len(cfg.target_layer_ids) * cfg.target_hidden_size, h), ("features", "embed")),
+           "hidden_norm": ParamSpec((h,), ("norm",), "ones"),
+           "final_norm": ParamSpec((h,), ("norm",), "ones")}
+  for i in range(cfg.num_hidden_layers):
+    pre = f"layers.{i}."
+    specs.update({
+        pre + "input_norm": ParamSpec((h,), ("norm",), "ones"),
+        pre + "post_attn_norm": ParamSpec((h,), ("norm",), "ones"),
+        pre + "q_proj": ParamSpec((h, nq, dh), ("embed", "q_heads", "head_dim")),
+        pre + "k_proj": ParamSpec((h, nkv, dh), ("embed", "kv_heads", "head_dim")),
+        pre + "v_proj": ParamSpec((h, nkv, dh), ("embed", "kv_heads", "head_dim")),
+        pre + "o_proj": ParamSpec((nq, dh, h), ("q_heads", "head_dim", "embed")),
+        pre + "q_norm": ParamSpec((dh,), ("norm",), "ones"),
+        pre + "k_norm": ParamSpec((dh,), ("norm",), "ones"),
+        pre + "mlp.gate": ParamSpec((h, mi), ("embed", "mlp")),
+        pre + "mlp.up": ParamSpec((h, mi), ("embed", "mlp")),
+        pre + "mlp.down": ParamSpec((mi, h), ("mlp", "embed")),
+    })
+  return specs
+
+
+def init_head(cfg: DraftConfig, key: jax.Array, dtype=jnp.float32, mesh=None) -> dict[str, jax.Array]:
+  """Random head weights, each created in its sharding."""
+  return init_params(param_specs(cfg), key, dtype, mesh)
+
+
+def init_context_cache(cfg: DraftConfig, batch: int, max_len: int, dtype, mesh=None) -> qwen3.KVCache:
+  """Per-layer context (and block scratch) K/V of the head, [B, Hkv, S, Dh] each."""
+  shape = (batch, cfg.num_key_value_heads, max_len, cfg.head_dim)
+  zeros = lambda: shard(jnp.zeros(shape, dtype), qwen3.CACHE_AXES, mesh)
+  return qwen3.KVCache(k=tuple(zeros() for _ in range(cfg.num_hidden_layers)),
+                       v=tuple(zeros() for _ in range(cfg.num_hidden_layers)))
+
+
+def fuse_features(params, cfg: DraftConfig, features: jax.Array) -> jax.Array:
+  """Concatenated target taps [B, R, n_taps*Ht] -> ctx [B, R, H] = RMSNorm(features @ fc)."""
+  return rms_norm(features.astype(params["fc"].dtype) @ params["fc"], params["hidden_norm"], cfg.rms_norm_eps)
+
+
+def _context_kv(params, cfg: DraftConfig, pre: str, ctx: jax.Array, positions: jax.Array):
+  """Layer ``pre``'s keys/values of context rows: k_norm + RoPE at the rows' positions."""
+  k = jnp.einsum("bth,hnd->btnd", ctx, params[pre + "k_proj"])
+  v = jnp.einsum("bth,hnd->btnd", ctx, params[pre + "v_proj"])
+  k = rope(rms_norm(k, params[pre + "k_norm"], cfg.rms_norm_eps), positions, cfg.rope_theta)
+  return k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+
+
+def append_context(params, cfg: DraftConfig, cache: qwen3.KVCache, features: jax.Array,
+                   start: jax.Array) -> qwen3.KVCache:
+  """Add R context rows (target taps [B, R, F]) at positions start[b] + r of every layer's cache."""
+  ctx = fuse_features(params, cfg, features)
+  positions = start[:, None] + jnp.arange(features.shape[1], dtype=jnp.int32)[None, :]
+  new_k, new_v = [], []
+  for i in range(cfg.num_hidden_layers):
+    k, v = _context_kv(params, cfg, f"layers.{i}.", ctx, positions)
+    new_k.append(write_rows(cache.k[i], k, start))
+    new_v.append(write_rows(cache.v[i], v, start))
+  return qwen3.KVCache(k=tuple(new_k), v=tuple(new_v))
+
+
+def block_mask(cfg: DraftConfig, batch: int) -> jax.Array:
+  """[B, bs, bs]: causal for the JetSpec head, all-ones for the bidirectional (DFlash) head."""
+  bs = cfg.block_size
+  m = jnp.tril(jnp.ones((bs, bs), bool)) if cfg.causal else jnp.ones((bs, bs), bool)
+  return jnp.broadcast_to(m, (batch, bs, bs))
+
+
+def draft_hidden(params, cfg: DraftConfig, target_params, cache: qwen3.KVCache, ctx_len: jax.Array,
+                 anchor: jax.Array, attn_impl: str = "xla") -> tuple[jax.Array, qwen3.KVCache]:
+  """Final-normed block states [B, bs, H] for block [anchor, mask...] after ctx_len context rows.
+
+  Also returns the cache with the block's K/V written as scratch at ctx_len.. (masked out of
+  later rounds and overwritten by the next ``append_context``); carrying it avoids a copy."""
+  batch, bs = anchor.shape[0], cfg.block_size
+  tokens = jnp.concatenate([anchor[:, None], jnp.full((batch, bs - 1), cfg.mask_token_id, jnp.int32)], axis=1)
+  x = target_params["embed"][tokens].astype(params["fc"].dtype)
+  positions = ctx_len[:, None] + jnp.arange(bs, dtype=jnp.int32)[None, :]
+  mask = block_mask(cfg, batch)
+  new_k, new_v = [], []
+  for i in range(cfg.num_hidden_layers):
+    pre = f"layers.{i}."
+    h = rms_norm(x, params[pre + "input_norm"], cfg.rms_norm_eps)
+    q, k, v = attention_block(h, h, lambda n: params[pre + n], num_heads=cfg.num_attention_heads,
+                              num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, eps=cfg.rms_norm_eps,
+                              theta=cfg.rope_theta, q_positions=positions, kv_positions=positions)
+    k_cache = write_rows(cache.k[i], k, ctx_len)
+    v_cache = write_rows(cache.v[i], v, ctx_len)
+    new_k.append(k_cache)
+    new_v.append(v_cache)
+    attn = attention(q, k_cache, v_cache, ctx_len, mask, impl=attn_impl)
+    x = x + jnp.einsum("btnd,ndh->bth", attn, params[pre + "o_proj"])
+    h = rms_norm(x, params[pre + "post_attn_norm"], cfg.rms_norm_eps)
+    x = x + swiglu(h, params[pre + "mlp.gate"], params[pre + "mlp.up"], params[pre + "mlp.down"])
+  return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), qwen3.KVCache(k=tuple(new_k), v=tuple(new_v))
+
+
+def draft_logits(params, cfg: DraftConfig, target_params, target_cfg: Qwen3Config, cache: qwen3.KVCache,
+                 ctx_len: jax.Array, anchor: jax.Array, depth: int | None = None,
+                 attn_impl: str = "xla") -> tuple[jax.Array, qwen3.KVCache]:
+  """Per-depth draft logits [B, depth, V] float32 (depth <= bs-1; slot d -> depth d), and the cache."""
+  depth = cfg.depth if depth is None else depth
+  h, cache = draft_hidden(params, cfg, target_params, cache, ctx_len, anchor, attn_impl)
+  return qwen3.lm_logits(target_params, target_cfg, h[:, 1:depth + 1]), cache

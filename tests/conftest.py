@@ -1,0 +1,52 @@
+"""Shared fixtures: tiny Hugging Face models saved once per session, and their JAX weights.
+
+``scripts/test.sh`` sets 8 fake CPU devices; the defaults below give the same when pytest is run
+directly (they only apply if jax has not been initialised yet).
+"""
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import hf_fixtures  # noqa: E402
+
+torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
+
+
+@pytest.fixture(scope="session")
+def hf_dir(tmp_path_factory):
+  """hf_dir(name, dtype='float32', max_shard_size=None) -> path of the saved HF model (cached)."""
+  cache = {}
+
+  def get(name: str, dtype: str = "float32", max_shard_size=None) -> str:
+    key = (name, dtype, max_shard_size)
+    if key not in cache:
+      d = tmp_path_factory.mktemp(f"hf_{name}_{dtype}_{'sharded' if max_shard_size else 'single'}")
+      cache[key] = hf_fixtures.save_model(hf_fixtures.named_model(name), str(d), dtype, max_shard_size)
+    return cache[key]
+  return get
+
+
+@pytest.fixture(scope="session")
+def jax_target(hf_dir):
+  """jax_target(name) -> (cfg, params) loaded unsharded in float32 from the saved HF dir (cached)."""
+  from jetspec_jax import convert
+  cache = {}
+
+  def get(name: str):
+    if name not in cache:
+      cfg, params, _ = convert.load_target(hf_dir(name), jnp.float32, None)
+      cache[name] = (cfg, params)
+    return cache[name]
+  return get
+
+
+@pytest.fixture
+def eight_devices():
+  if jax.device_count() < 8:
+    pytest.skip("needs 8 devices (run via scripts/test.sh: XLA_FLAGS=--xla_force_host_platform_device_count=8)")

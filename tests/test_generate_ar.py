@@ -1,0 +1,135 @@
+"""The jitted autoregressive loop against transformers greedy ``generate`` (float32)."""
+import numpy as np
+import pytest
+import torch
+
+import hf_fixtures
+from jetspec_jax.decode import loop, prompts as prompts_lib
+from jetspec_jax.errors import JetSpecError
+
+NAME = "dense_gqa4"       # untied, GQA 4, head_dim != hidden/heads, theta 500
+MAX_NEW = 12
+PROMPTS = [[5, 17, 33, 2, 99, 140, 7], [61, 3], [12, 150, 44, 9, 88]]
+
+
+@pytest.fixture(scope="module")
+def target(jax_target):
+  return jax_target(NAME)
+
+
+@pytest.fixture(scope="module")
+def hf_reference():
+  model = hf_fixtures.named_model(NAME)
+  return [hf_fixtures.hf_greedy(model, p, MAX_NEW) for p in PROMPTS]
+
+
+def test_reference_is_not_degenerate(hf_reference):
+  for ref in hf_reference:
+    assert len(ref) == MAX_NEW and len(set(ref)) >= 4, ref
+
+
+def test_batch1_matches_transformers(target, hf_reference):
+  cfg, params = target
+  out = loop.generate_ar(params, cfg, [PROMPTS[0]], max_new_tokens=MAX_NEW, temperature=0.0)
+  assert out["token_ids"] == [hf_reference[0]]
+  assert out["num_tokens"] == MAX_NEW
+  assert out["target_forwards"] == MAX_NEW
+
+
+def test_batch3_ragged_prompts_match_transformers(target, hf_reference):
+  cfg, params = target
+  out = loop.generate_ar(params, cfg, PROMPTS, max_new_tokens=MAX_NEW, temperature=0.0)
+  assert out["token_ids"] == hf_reference
+
+
+def test_batch3_matches_transformers_left_padded_batch(target, hf_reference):
+  """transformers' own batched generate (left padding + attention mask) agrees too."""
+  cfg, params = target
+  model = hf_fixtures.named_model(NAME)
+  width = max(map(len, PROMPTS))
+  ids = torch.zeros((len(PROMPTS), width), dtype=torch.long)
+  mask = torch.zeros_like(ids)
+  for i, p in enumerate(PROMPTS):
+    ids[i, width - len(p):] = torch.tensor(p)
+    mask[i, width - len(p):] = 1
+  with torch.no_grad():
+    hf = model.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, do_sample=False,
+                        eos_token_id=None, pad_token_id=0)[:, width:].tolist()
+  assert hf == hf_reference
+  # from_padded on exactly that left-padded batch gives the same generation.
+  rows = prompts_lib.from_padded(ids.numpy(), mask.numpy())
+  assert rows == PROMPTS
+  out = loop.generate_ar(params, cfg, rows, max_new_tokens=MAX_NEW, temperature=0.0)
+  assert out["token_ids"] == hf
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_from_padded_gives_same_generation(side, target, hf_reference):
+  cfg, params = target
+  width = max(map(len, PROMPTS)) + 2
+  tokens = np.full((len(PROMPTS), width), 77, np.int32)     # pad id deliberately a real token
+  mask = np.zeros((len(PROMPTS), width), np.int32)
+  for i, p in enumerate(PROMPTS):
+    sl = slice(width - len(p), width) if side == "left" else slice(0, len(p))
+    tokens[i, sl] = p
+    mask[i, sl] = 1
+  rows = prompts_lib.from_padded(tokens, mask)
+  assert rows == PROMPTS
+  out = loop.generate_ar(params, cfg, rows, max_new_tokens=MAX_NEW, temperature=0.0)
+  assert out["token_ids"] == hf_reference
+
+
+def test_from_padded_rejects_bad_masks():
+  with pytest.raises(JetSpecError, match="contiguous"):
+    prompts_lib.from_padded(np.ones((1, 4)), np.array([[1, 0, 1, 1]]))
+  with pytest.raises(JetSpecError, match="contiguous"):
+    prompts_lib.from_padded(np.ones((1, 4)), np.zeros((1, 4)))
+  with pytest.raises(JetSpecError, match="differ in shape"):
+    prompts_lib.from_padded(np.ones((2, 4)), np.ones((2, 3)))
+
+
+def _eos_choice(continuation):
+  """A token whose first occurrence is at index >= 2 of the greedy continuation: (token, index)."""
+  for k, tok in enumerate(continuation):
+    if k >= 2 and tok not in continuation[:k]:
+      return tok, k
+  pytest.skip("greedy continuation has no fresh token after index 1")
+
+
+def test_eos_stops_right_after_it_like_transformers(target, hf_reference):
+  cfg, params = target
+  model = hf_fixtures.named_model(NAME)
+  eos, k = _eos_choice(hf_reference[0])
+  expected = hf_reference[0][:k + 1]
+  assert expected[-1] == eos and eos not in expected[:-1]
+  hf = hf_fixtures.hf_greedy(model, PROMPTS[0], MAX_NEW, eos_id=eos)
+  assert hf == expected, "transformers includes the EOS and stops"
+  out = loop.generate_ar(params, cfg, [PROMPTS[0]], max_new_tokens=MAX_NEW, temperature=0.0, eos_ids=[eos])
+  assert out["token_ids"] == [expected]
+  assert out["target_forwards"] == k + 1
+
+
+def test_eos_in_a_batch_stops_only_that_row(target, hf_reference):
+  cfg, params = target
+  eos, k = _eos_choice(hf_reference[0])
+  out = loop.generate_ar(params, cfg, PROMPTS, max_new_tokens=MAX_NEW, temperature=0.0, eos_ids=(eos,))
+  for got, ref in zip(out["token_ids"], hf_reference):
+    cut = ref.index(eos) + 1 if eos in ref else len(ref)
+    assert got == ref[:cut]
+  assert out["token_ids"][0] == hf_reference[0][:k + 1]
+
+
+def test_moe_batch1_matches_transformers(jax_target):
+  cfg, params = jax_target("moe_norm")
+  prompt = [7, 1, 90, 33, 12]
+  ref = hf_fixtures.hf_greedy(hf_fixtures.named_model("moe_norm"), prompt, 10)
+  out = loop.generate_ar(params, cfg, [prompt], max_new_tokens=10, temperature=0.0)
+  assert out["token_ids"] == [ref]
+
+
+def test_bad_prompts_raise(target):
+  cfg, params = target
+  with pytest.raises(JetSpecError, match="at least one token"):
+    loop.generate_ar(params, cfg, [[1, 2], []], max_new_tokens=2)
+  with pytest.raises(JetSpecError, match="outside the vocabulary"):
+    loop.generate_ar(params, cfg, [[1, cfg.vocab_size]], max_new_tokens=2)

@@ -1,0 +1,129 @@
+"""Speculative decoding: lossless against AR, acceptance and KV compaction proven by oracle drafters."""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jetspec_jax.config import Qwen3Config
+from jetspec_jax.decode import speculative
+from jetspec_jax.decode.loop import generate_ar
+from jetspec_jax.decode.speculative import TreeConfig, generate_speculative
+from jetspec_jax.models import draft_head, qwen3
+
+CFG = Qwen3Config(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=8, rope_theta=10000.0)
+PROMPTS3 = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14, 15, 16]]
+
+
+@functools.lru_cache(maxsize=None)
+def target():
+  params = qwen3.init_target(CFG, jax.random.key(0))
+  # Larger weights than the 0.02 init so greedy continuations are varied, not repeats.
+  return {k: v * 20 if v.ndim > 1 else v for k, v in params.items()}
+
+
+@functools.lru_cache(maxsize=None)
+def head(block_size=16, causal=True):
+  cfg = draft_head.DraftConfig.for_target(CFG, num_layers=2, block_size=block_size, causal=causal)
+  return cfg, draft_head.init_head(cfg, jax.random.key(1))
+
+
+@functools.lru_cache(maxsize=None)
+def ar_tokens(batch, max_new, eos=()):
+  prompts = PROMPTS3[:batch]
+  return generate_ar(target(), CFG, prompts, max_new_tokens=max_new, eos_ids=eos)["token_ids"]
+
+
+LOSSLESS_CASES = [
+    # (method, budget, width, depth, batch, max_new)
+    ("accum_logp", 16, 7, 15, 3, 23),
+    ("accum_logp", 64, 3, 4, 3, 21),
+    ("accum_logp", 2, 1, 1, 1, 9),
+    ("accum_logp", 1, 7, 4, 3, 6),
+    ("top2gap", 16, 3, 4, 3, 21),
+    ("top2gap", 64, 7, 15, 1, 30),
+    ("chain", 1, 1, 15, 3, 25),
+    ("chain", 1, 1, 4, 1, 13),
+]
+
+
+@pytest.mark.parametrize("method,budget,width,depth,batch,max_new", LOSSLESS_CASES)
+def test_lossless_random_head(method, budget, width, depth, batch, max_new):
+  hcfg, hparams = head()
+  tc = TreeConfig(method, budget, width, depth)
+  out = generate_speculative(target(), CFG, hparams, hcfg, PROMPTS3[:batch], max_new_tokens=max_new, tree_cfg=tc)
+  assert out["token_ids"] == ar_tokens(batch, max_new)
+  assert all(len(t) == max_new for t in out["token_ids"])
+
+
+def test_lossless_with_eos_inside_a_round():
+  ar = ar_tokens(3, 24)
+  eos = (ar[0][5], ar[2][11])                      # tokens the greedy continuations emit mid-stream
+  expected = ar_tokens(3, 24, eos)
+  assert any(len(t) < 24 for t in expected)
+  hcfg, hparams = head()
+  out = generate_speculative(target(), CFG, hparams, hcfg, PROMPTS3, max_new_tokens=24, eos_ids=eos,
+                             tree_cfg=TreeConfig("accum_logp", 16, 3, 4))
+  assert out["token_ids"] == expected
+  for toks in out["token_ids"]:
+    assert not any(t in eos for t in toks[:-1])    # nothing emitted past an EOS
+
+
+def test_bidirectional_head_is_lossless():
+  hcfg, hparams = head(block_size=5, causal=False)
+  out = generate_speculative(target(), CFG, hparams, hcfg, PROMPTS3, max_new_tokens=12,
+                             tree_cfg=TreeConfig("accum_logp", 16, 3, 4))
+  assert out["token_ids"] == ar_tokens(3, 12)
+
+
+def _greedy_continuation(target_params, state, depth):
+  """The target's own next ``depth`` greedy tokens after the state (on a scratch copy of the cache)."""
+  b = state.base
+  batch = b.last_token.shape[0]
+  one = jnp.ones((batch, 1, 1), bool)
+
+  def step(carry, _):
+    cache, tok, pos = carry
+    logits, cache, _ = qwen3.forward(target_params, CFG, tok[:, None], pos[:, None], cache, pos, one)
+    nxt = jnp.argmax(logits[:, 0], -1).astype(jnp.int32)
+    return (cache, nxt, pos + 1), nxt
+
+  _, toks = jax.lax.scan(step, (b.cache, b.last_token, b.prefix_len), None, length=depth)
+  return toks.T                                                                     # [B, D]
+
+
+def oracle_drafter(offset):
+  """A drafter proposing the target's greedy continuation (+offset mod V: always wrong if offset)."""
+  def drafter(target_params, head_params, state, *, cfg, head_cfg, tree_cfg, attn_impl):
+    toks = (_greedy_continuation(target_params, state, tree_cfg.depth) + offset) % cfg.vocab_size
+    logits = jnp.where(jax.nn.one_hot(toks, cfg.vocab_size, dtype=bool), 0.0, -1e9)
+    return logits, state.draft_cache
+  return drafter
+
+
+PERFECT = oracle_drafter(0)
+WRONG = oracle_drafter(1)
+
+
+@pytest.mark.parametrize("tc", [TreeConfig("chain", 1, 1, 4), TreeConfig("accum_logp", 16, 3, 4)])
+def test_perfect_drafter_accepts_every_depth(tc):
+  hcfg, hparams = head()
+  rounds = 3
+  max_new = 1 + rounds * (tc.depth + 1)            # prefill token + full rounds
+  out = generate_speculative(target(), CFG, hparams, hcfg, PROMPTS3, max_new_tokens=max_new, tree_cfg=tc,
+                             drafter=PERFECT)
+  assert out["token_ids"] == ar_tokens(3, max_new)
+  assert out["tau"] == tc.depth + 1
+  assert out["rounds"] == 3 * rounds
+  assert out["depth_histogram"] == [0] * tc.depth + [3 * rounds]
+
+
+def test_wrong_drafter_gives_tau_one():
+  hcfg, hparams = head()
+  out = generate_speculative(target(), CFG, hparams, hcfg, PROMPTS3, max_new_tokens=7,
+                             tree_cfg=TreeConfig("chain", 1, 1, 4), drafter=WRONG)
+  assert out["token_ids"] == ar_tokens(3, 7)
+  assert out["tau"] == 1.0
+  assert out["acceptance_by_depth"] == [0.0] * 4
