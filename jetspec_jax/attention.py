@@ -14,17 +14,24 @@ Implementations: ``xla`` (reference, any backend) and ``pallas`` (the GPU kernel
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from jetspec_jax.errors import JetSpecError
 
 IMPLEMENTATIONS = ("xla", "pallas", "pallas_interpret")
 
 
-def default_implementation() -> str:
-  """``pallas`` on GPU, ``xla`` elsewhere."""
-  return "pallas" if jax.default_backend() == "gpu" else "xla"
+def resolve_implementation(name: str | None) -> str:
+  """'auto' / None -> ``pallas`` on GPU, ``xla`` elsewhere; other names are checked."""
+  if name in (None, "auto"):
+    return "pallas" if jax.default_backend() == "gpu" else "xla"
+  if name not in IMPLEMENTATIONS:
+    raise JetSpecError(f"unknown attention implementation {name!r}; choose auto or one of {', '.join(IMPLEMENTATIONS)}")
+  return name
 
 
 def visible_keys(prefix_len: jax.Array, block_mask: jax.Array, cache_len: int) -> jax.Array:
@@ -57,13 +64,25 @@ def xla_attention(q, k_cache, v_cache, prefix_len, block_mask, *, sm_scale: floa
   return out.reshape(batch, num_q, num_heads, head_dim).astype(q.dtype)
 
 
+def _kernel_specs(mesh, batch: int, num_heads: int, num_kv: int):
+  """shard_map specs for the kernel: batch over ``data`` and heads over ``model`` where they divide."""
+  data = "data" if batch % mesh.shape["data"] == 0 else None
+  model = "model" if num_heads % mesh.shape["model"] == 0 and num_kv % mesh.shape["model"] == 0 else None
+  return (P(data, None, model, None), P(data, model, None, None), P(data, model, None, None), P(data),
+          P(data, None, None)), P(data, None, model, None)
+
+
 def attention(q, k_cache, v_cache, prefix_len, block_mask, *, impl: str = "xla",
-              sm_scale: float | None = None):
-  """Dispatch to an implementation by name (a static choice)."""
+              sm_scale: float | None = None, mesh=None):
+  """Dispatch to an implementation by name (a static choice). Under a ``mesh`` the kernel runs
+  per shard (shard_map over batch and heads); XLA's attention is partitioned by the compiler."""
   if impl == "xla":
     return xla_attention(q, k_cache, v_cache, prefix_len, block_mask, sm_scale=sm_scale)
-  if impl in ("pallas", "pallas_interpret"):
-    from pallas_kernels import tree_attention as kernel
-    return kernel.tree_attention(q, k_cache, v_cache, prefix_len, block_mask, sm_scale=sm_scale,
-                                 interpret=impl == "pallas_interpret")
-  raise JetSpecError(f"unknown attention implementation {impl!r}; choose one of {', '.join(IMPLEMENTATIONS)}")
+  if impl not in ("pallas", "pallas_interpret"):
+    raise JetSpecError(f"unknown attention implementation {impl!r}; choose one of {', '.join(IMPLEMENTATIONS)}")
+  from pallas_kernels import tree_attention as kernel
+  fn = functools.partial(kernel.tree_attention, sm_scale=sm_scale, interpret=impl == "pallas_interpret")
+  if mesh is not None and mesh.size > 1:
+    in_specs, out_specs = _kernel_specs(mesh, q.shape[0], q.shape[2], k_cache.shape[1])
+    fn = jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+  return fn(q, k_cache, v_cache, prefix_len, block_mask)

@@ -53,7 +53,12 @@ def restore_params(path: str, specs: dict[str, ParamSpec], dtype, mesh=None) -> 
   if not os.path.isdir(path):
     raise JetSpecError(f"checkpoint weights not found: {path}")
   checkpointer = ocp.StandardCheckpointer()
-  stored = checkpointer.metadata(path).item_metadata.tree
+  try:
+    stored = checkpointer.metadata(path).item_metadata.tree
+  except Exception:   # orbax reports an empty or damaged directory in several ways (or returns None)
+    stored = None
+  if stored is None:
+    raise JetSpecError(f"checkpoint weights at {path} are not a readable orbax checkpoint")
   missing = sorted(set(specs) - set(stored))
   extra = sorted(set(stored) - set(specs))
   if missing or extra:

@@ -145,9 +145,12 @@ def read_json(path: str, what: str) -> dict[str, Any]:
     raise JetSpecError(f"{what} not found: {path}")
   try:
     with open(path) as f:
-      return json.load(f)
+      data = json.load(f)
   except json.JSONDecodeError as e:
     raise JetSpecError(f"{path} is not valid JSON ({e.msg} at line {e.lineno})") from None
+  if not isinstance(data, dict):
+    raise JetSpecError(f"{path} is not a JSON object (it holds a {type(data).__name__})")
+  return data
 
 
 def load_hf_config(model_dir: str) -> Qwen3Config:

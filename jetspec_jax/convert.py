@@ -268,3 +268,37 @@ def export_hf(ckpt_dir: str, out_dir: str, shard_bytes: int = DEFAULT_SHARD_BYTE
       with open(os.path.join(tmp, "config.json"), "w") as f:
         json.dump(cfg.to_hf_dict(str(params["embed"].dtype)), f, indent=2)
   return {"out_dir": os.path.abspath(out_dir), "files": files}
+
+
+def head_mappings(head_cfg) -> list[Mapping]:
+  """The table for a JetSpec / DFlash draft head (published key names, no embed / lm_head)."""
+  table = [_transposed("fc", "fc.weight"), _identity("hidden_norm", "hidden_norm.weight"),
+           _identity("final_norm", "norm.weight")]
+  for i in range(head_cfg.num_hidden_layers):
+    pre = f"layers.{i}."
+    table += attention_mappings(pre, pre, head_cfg.num_attention_heads, head_cfg.num_key_value_heads,
+                                head_cfg.head_dim)
+    table += dense_mlp_mappings(pre, pre)
+  return table
+
+
+def save_head(out_dir: str, head_cfg, params: dict[str, jax.Array], overwrite=False) -> dict:
+  """Write a draft head in the HF format of the published JetSpec heads, atomically."""
+  with atomic_directory(out_dir, overwrite) as tmp:
+    files = write_safetensors(tmp, head_mappings(head_cfg), params)
+    with open(os.path.join(tmp, "config.json"), "w") as f:
+      json.dump(head_cfg.to_hf_dict(str(params["fc"].dtype)), f, indent=2)
+  return {"out_dir": os.path.abspath(out_dir), "files": files}
+
+
+def load_head(path: str, dtype=None, mesh=None, target_cfg: Qwen3Config | None = None):
+  """Load a draft head from its HF directory. Returns (DraftConfig, params)."""
+  from jetspec_jax.models.draft_head import DraftConfig, param_specs
+  if not os.path.isdir(path):
+    raise JetSpecError(f"draft head directory not found: {path}")
+  head_cfg = DraftConfig.from_hf_dict(read_json(os.path.join(path, "config.json"), "draft head config.json"))
+  head_cfg.validate(target_cfg)
+  reader = SafetensorsReader(path)
+  if dtype is None:
+    dtype = reader.get("fc.weight").dtype
+  return head_cfg, load_weights(reader, head_mappings(head_cfg), param_specs(head_cfg), dtype, mesh)

@@ -1,4 +1,6 @@
 """The jitted autoregressive loop against transformers greedy ``generate`` (float32)."""
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -110,9 +112,11 @@ def test_eos_stops_right_after_it_like_transformers(target, hf_reference):
 
 
 def test_eos_in_a_batch_stops_only_that_row(target, hf_reference):
+  """EOS taken from the config (eos_ids=None); a finished row must not hold the others back."""
   cfg, params = target
   eos, k = _eos_choice(hf_reference[0])
-  out = loop.generate_ar(params, cfg, PROMPTS, max_new_tokens=MAX_NEW, temperature=0.0, eos_ids=(eos,))
+  cfg = dataclasses.replace(cfg, eos_token_ids=(eos,))
+  out = loop.generate_ar(params, cfg, PROMPTS, max_new_tokens=MAX_NEW, temperature=0.0)
   for got, ref in zip(out["token_ids"], hf_reference):
     cut = ref.index(eos) + 1 if eos in ref else len(ref)
     assert got == ref[:cut]

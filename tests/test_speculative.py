@@ -96,7 +96,7 @@ def _greedy_continuation(target_params, state, depth):
 
 def oracle_drafter(offset):
   """A drafter proposing the target's greedy continuation (+offset mod V: always wrong if offset)."""
-  def drafter(target_params, head_params, state, *, cfg, head_cfg, tree_cfg, attn_impl):
+  def drafter(target_params, head_params, state, *, cfg, head_cfg, tree_cfg, attn_impl, mesh):
     toks = (_greedy_continuation(target_params, state, tree_cfg.depth) + offset) % cfg.vocab_size
     logits = jnp.where(jax.nn.one_hot(toks, cfg.vocab_size, dtype=bool), 0.0, -1e9)
     return logits, state.draft_cache

@@ -65,10 +65,10 @@ class SpecState:
 Drafter = Callable[..., tuple[jax.Array, qwen3.KVCache]]
 
 
-def head_drafter(target_params, head_params, state: SpecState, *, cfg, head_cfg, tree_cfg, attn_impl):
+def head_drafter(target_params, head_params, state: SpecState, *, cfg, head_cfg, tree_cfg, attn_impl, mesh):
   """The JetSpec head: per-depth logits of the block [last_token, mask...] after the context."""
   return draft_head.draft_logits(head_params, head_cfg, target_params, cfg, state.draft_cache,
-                                 state.base.prefix_len, state.base.last_token, tree_cfg.depth, attn_impl)
+                                 state.base.prefix_len, state.base.last_token, tree_cfg.depth, attn_impl, mesh)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "head_cfg"), donate_argnames=("draft_cache",))
@@ -91,7 +91,7 @@ def spec_decode(target_params, head_params, state: SpecState, *, cfg: Qwen3Confi
     b = s.base
     active = ~b.done
     depth_logits, draft_cache = drafter(target_params, head_params, s, cfg=cfg, head_cfg=head_cfg,
-                                        tree_cfg=tree_cfg, attn_impl=attn_impl)
+                                        tree_cfg=tree_cfg, attn_impl=attn_impl, mesh=mesh)
     tree = build_tree(b.last_token, depth_logits, method=tree_cfg.method, budget=tree_cfg.budget,
                       width=tree_cfg.width)
     logits, cache, taps = verify.verify_tree(target_params, cfg, tree, b.cache, b.prefix_len,

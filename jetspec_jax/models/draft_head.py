@@ -205,7 +205,7 @@ def block_mask(cfg: DraftConfig, batch: int) -> jax.Array:
 
 
 def draft_hidden(params, cfg: DraftConfig, target_params, cache: qwen3.KVCache, ctx_len: jax.Array,
-                 anchor: jax.Array, attn_impl: str = "xla") -> tuple[jax.Array, qwen3.KVCache]:
+                 anchor: jax.Array, attn_impl: str = "xla", mesh=None) -> tuple[jax.Array, qwen3.KVCache]:
   """Final-normed block states [B, bs, H] for block [anchor, mask...] after ctx_len context rows.
 
   Also returns the cache with the block's K/V written as scratch at ctx_len.. (masked out of
@@ -226,7 +226,7 @@ def draft_hidden(params, cfg: DraftConfig, target_params, cache: qwen3.KVCache, 
     v_cache = write_rows(cache.v[i], v, ctx_len)
     new_k.append(k_cache)
     new_v.append(v_cache)
-    attn = attention(q, k_cache, v_cache, ctx_len, mask, impl=attn_impl)
+    attn = attention(q, k_cache, v_cache, ctx_len, mask, impl=attn_impl, mesh=mesh)
     x = x + jnp.einsum("btnd,ndh->bth", attn, params[pre + "o_proj"])
     h = rms_norm(x, params[pre + "post_attn_norm"], cfg.rms_norm_eps)
     x = x + swiglu(h, params[pre + "mlp.gate"], params[pre + "mlp.up"], params[pre + "mlp.down"])
@@ -235,8 +235,8 @@ def draft_hidden(params, cfg: DraftConfig, target_params, cache: qwen3.KVCache, 
 
 def draft_logits(params, cfg: DraftConfig, target_params, target_cfg: Qwen3Config, cache: qwen3.KVCache,
                  ctx_len: jax.Array, anchor: jax.Array, depth: int | None = None,
-                 attn_impl: str = "xla") -> tuple[jax.Array, qwen3.KVCache]:
+                 attn_impl: str = "xla", mesh=None) -> tuple[jax.Array, qwen3.KVCache]:
   """Per-depth draft logits [B, depth, V] float32 (depth <= bs-1; slot d -> depth d), and the cache."""
   depth = cfg.depth if depth is None else depth
-  h, cache = draft_hidden(params, cfg, target_params, cache, ctx_len, anchor, attn_impl)
+  h, cache = draft_hidden(params, cfg, target_params, cache, ctx_len, anchor, attn_impl, mesh)
   return qwen3.lm_logits(target_params, target_cfg, h[:, 1:depth + 1]), cache

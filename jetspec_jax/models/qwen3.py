@@ -136,7 +136,7 @@ def forward(params: dict, cfg: Qwen3Config, tokens: jax.Array, positions: jax.Ar
     v_cache = write_rows(cache.v[i], v, prefix_len)
     new_k.append(k_cache)
     new_v.append(v_cache)
-    attn = attention(q, k_cache, v_cache, prefix_len, block_mask, impl=attn_impl)
+    attn = attention(q, k_cache, v_cache, prefix_len, block_mask, impl=attn_impl, mesh=mesh)
     x = x + jnp.einsum("btnd,ndh->bth", attn, p[pre + "o_proj"])
     h = rms_norm(x, p[pre + "post_attn_norm"], cfg.rms_norm_eps)
     if cfg.is_moe_layer(i):
