@@ -14,6 +14,13 @@ from jetspec_jax.models.layers import ParamSpec
 from jetspec_jax.sharding import named_sharding
 
 
+def check_output_dir(out_dir: str, overwrite: bool = False) -> None:
+  """Refuse an existing non-empty output directory unless ``overwrite`` (checked before any work)."""
+  out_dir = os.path.abspath(out_dir)
+  if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)) and not overwrite:
+    raise JetSpecError(f"output directory already exists and is not empty: {out_dir} (use --overwrite)")
+
+
 @contextlib.contextmanager
 def atomic_directory(out_dir: str, overwrite: bool = False):
   """Yield a temporary sibling directory; rename it to ``out_dir`` only if the block succeeds.
@@ -21,8 +28,7 @@ def atomic_directory(out_dir: str, overwrite: bool = False):
   A failure (or interruption) leaves no ``out_dir`` and removes the temporary directory.
   """
   out_dir = os.path.abspath(out_dir)
-  if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)) and not overwrite:
-    raise JetSpecError(f"output directory already exists and is not empty: {out_dir} (use --overwrite)")
+  check_output_dir(out_dir, overwrite)
   parent = os.path.dirname(out_dir)
   os.makedirs(parent, exist_ok=True)
   tmp = os.path.join(parent, f".{os.path.basename(out_dir)}.tmp-{uuid.uuid4().hex[:8]}")

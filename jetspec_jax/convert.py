@@ -23,7 +23,7 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from jetspec_jax.checkpoint import atomic_directory, restore_params, save_params
+from jetspec_jax.checkpoint import atomic_directory, check_output_dir, restore_params, save_params
 from jetspec_jax.config import Qwen3Config, load_hf_config, read_json
 from jetspec_jax.errors import JetSpecError
 from jetspec_jax.models.layers import ParamSpec
@@ -245,6 +245,7 @@ def load_target(path: str, dtype=None, mesh=None, progress=_default_progress):
 def convert_hf(hf_dir: str, out_dir: str, dtype=None, mesh=None, overwrite=False,
                progress=_default_progress) -> dict:
   """HF directory -> converted checkpoint (orbax params + hf/ side files), written atomically."""
+  check_output_dir(out_dir, overwrite)
   cfg, params, _ = load_target(hf_dir, dtype, mesh, progress)
   with atomic_directory(out_dir, overwrite) as tmp:
     save_params(os.path.join(tmp, "params"), params)
@@ -260,6 +261,7 @@ def convert_hf(hf_dir: str, out_dir: str, dtype=None, mesh=None, overwrite=False
 def export_hf(ckpt_dir: str, out_dir: str, shard_bytes: int = DEFAULT_SHARD_BYTES, overwrite=False,
               progress=_default_progress) -> dict:
   """Converted checkpoint (or HF dir) -> HF directory: sharded safetensors + index + side files."""
+  check_output_dir(out_dir, overwrite)
   cfg, params, side = load_target(ckpt_dir, None, None, progress)
   with atomic_directory(out_dir, overwrite) as tmp:
     files = write_safetensors(tmp, target_mappings(cfg), params, shard_bytes)

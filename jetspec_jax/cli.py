@@ -1,0 +1,205 @@
+"""``jetspec-jax``: convert, export, generate, demo (thin: parse, call the library, print).
+
+Every command prints a human summary, or one JSON object with ``--json``. Input problems end
+with one sentence on stderr and exit status 2.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+from jetspec_jax.errors import JetSpecError
+
+
+def _progress(desc: str, quiet: bool):
+  def wrap(items):
+    if quiet:
+      return iter(items)
+    from tqdm import tqdm
+    return tqdm(items, desc=desc, unit="tensor", leave=False)
+  return wrap
+
+
+def _mesh(args):
+  if not getattr(args, "mesh", None):
+    return None
+  from jetspec_jax.sharding import make_mesh, parse_mesh
+  return make_mesh(*parse_mesh(args.mesh))
+
+
+def _dtype(name):
+  from jetspec_jax.config import parse_dtype
+  return None if name in (None, "auto") else parse_dtype(name)
+
+
+def _emit(args, result: dict, human: str) -> None:
+  print(json.dumps(result, indent=None if args.json else 2) if args.json else human)
+
+
+def cmd_convert(args) -> dict:
+  from jetspec_jax.convert import convert_hf
+  t0 = time.perf_counter()
+  res = convert_hf(args.hf_dir, args.out_dir, dtype=_dtype(args.dtype), mesh=_mesh(args), overwrite=args.overwrite,
+                   progress=_progress("convert", args.json))
+  res["seconds"] = time.perf_counter() - t0
+  _emit(args, res, f"converted {args.hf_dir} -> {res['out_dir']} ({res['num_tensors']} tensors, "
+                   f"{res['num_params']:,} parameters, {res['dtype']}) in {res['seconds']:.1f}s")
+  return res
+
+
+def cmd_export(args) -> dict:
+  from jetspec_jax.convert import export_hf
+  t0 = time.perf_counter()
+  res = export_hf(args.ckpt_dir, args.out_dir, shard_bytes=int(args.shard_size_mb * 1024 ** 2),
+                  overwrite=args.overwrite, progress=_progress("export", args.json))
+  res["seconds"] = time.perf_counter() - t0
+  _emit(args, res, f"exported {args.ckpt_dir} -> {res['out_dir']} ({len(res['files'])} safetensors file(s)) "
+                   f"in {res['seconds']:.1f}s")
+  return res
+
+
+def _parse_ids(text: str) -> list[int]:
+  try:
+    ids = [int(t) for t in text.replace(" ", "").split(",") if t]
+  except ValueError:
+    raise JetSpecError(f"--prompt-ids must be comma-separated integers, got {text!r}") from None
+  if not ids:
+    raise JetSpecError("--prompt-ids is empty")
+  return ids
+
+
+def _load_tokenizer(side_dir: str):
+  from jetspec_jax.tokenizer import load_tokenizer
+  return load_tokenizer(side_dir)
+
+
+def cmd_generate(args) -> dict:
+  import jax
+  from jetspec_jax.attention import resolve_implementation
+  from jetspec_jax.convert import load_head, load_target
+  from jetspec_jax.decode.loop import generate_ar
+  from jetspec_jax.decode.speculative import TreeConfig, generate_speculative
+  if args.max_new_tokens < 1:
+    raise JetSpecError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
+  if args.temperature < 0:
+    raise JetSpecError(f"--temperature must be >= 0, got {args.temperature}")
+  if args.head and args.temperature > 0:
+    raise JetSpecError("speculative decoding (--head) runs greedy here; use --temperature 0")
+  impl = resolve_implementation(args.attention)
+  mesh = _mesh(args)
+  dtype = _dtype(args.dtype)
+  cfg, params, side = load_target(args.target, dtype, mesh)
+  tokenizer = None
+  if args.prompt is not None:
+    tokenizer = _load_tokenizer(side)
+    if args.chat:
+      ids = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True,
+                                          enable_thinking=False, tokenize=True)
+      ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+    else:
+      ids = tokenizer.encode(args.prompt)
+  else:
+    ids = _parse_ids(args.prompt_ids)
+  eos = None if args.eos_ids is None else ([] if args.eos_ids == "" else _parse_ids(args.eos_ids))
+  if args.head:
+    head_cfg, head_params = load_head(args.head, dtype, mesh, target_cfg=cfg)
+    tree = TreeConfig(args.tree, args.budget, args.width, args.depth or head_cfg.depth)
+    out = generate_speculative(params, cfg, head_params, head_cfg, [ids], max_new_tokens=args.max_new_tokens,
+                               tree_cfg=tree, eos_ids=eos, attn_impl=impl, mesh=mesh)
+  else:
+    out = generate_ar(params, cfg, [ids], max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                      eos_ids=eos, seed=args.seed, attn_impl=impl, mesh=mesh)
+  tokens = out.pop("token_ids")[0]
+  res = {"token_ids": tokens, "prompt_ids": ids, "mode": "speculative" if args.head else "autoregressive",
+         "attention": impl, "backend": jax.default_backend(), **out,
+         "tokens_per_s": len(tokens) / max(out["decode_s"] + out["prefill_s"], 1e-9)}
+  if tokenizer is None and os.path.isfile(os.path.join(side, "tokenizer.json")):
+    tokenizer = _load_tokenizer(side)
+  if tokenizer is not None:
+    res["text"] = tokenizer.decode(tokens, skip_special_tokens=False)
+  lines = [res.get("text", " ".join(map(str, tokens))), "",
+           f"{len(tokens)} tokens ({res['mode']}, {impl} attention): prefill {out['prefill_s']:.3f}s, "
+           f"decode {out['decode_s']:.3f}s (compile included on first call)"]
+  if args.head:
+    lines.append(f"rounds {out['rounds']}, tau {out['tau']:.2f}, tree {out['tree']}")
+  _emit(args, res, "\n".join(lines))
+  return res
+
+
+def cmd_demo(args) -> dict:
+  from jetspec_jax import demo
+  res = demo.run(workdir=args.workdir, quiet=args.json)
+  _emit(args, res, demo.summary(res))
+  return res
+
+
+def build_parser() -> argparse.ArgumentParser:
+  p = argparse.ArgumentParser(prog="jetspec-jax", description="JetSpec tree speculative decoding for Qwen3 in JAX")
+  sub = p.add_subparsers(dest="command", required=True)
+
+  def common(sp, mesh=True):
+    sp.add_argument("--json", action="store_true", help="print one JSON object instead of a summary")
+    if mesh:
+      sp.add_argument("--mesh", help="device mesh DATAxMODEL, e.g. 2x4 (default: all devices on data)")
+
+  c = sub.add_parser("convert", help="Hugging Face Qwen3 directory -> JetSpec-JAX (orbax) checkpoint")
+  c.add_argument("hf_dir")
+  c.add_argument("out_dir")
+  c.add_argument("--dtype", default="auto", help="float32 | bfloat16 | float16 | auto (keep the stored dtype)")
+  c.add_argument("--overwrite", action="store_true")
+  common(c)
+  c.set_defaults(fn=cmd_convert)
+
+  e = sub.add_parser("export", help="JetSpec-JAX checkpoint -> Hugging Face directory (sharded safetensors)")
+  e.add_argument("ckpt_dir")
+  e.add_argument("out_dir")
+  e.add_argument("--shard-size-mb", type=float, default=4096.0)
+  e.add_argument("--overwrite", action="store_true")
+  common(e, mesh=False)
+  e.set_defaults(fn=cmd_export)
+
+  g = sub.add_parser("generate", help="generate with the jitted AR loop, or speculatively with --head")
+  g.add_argument("--target", required=True, help="HF directory or converted checkpoint")
+  src = g.add_mutually_exclusive_group(required=True)
+  src.add_argument("--prompt", help="prompt text (needs the target's tokenizer files)")
+  src.add_argument("--prompt-ids", help="comma-separated prompt token ids")
+  g.add_argument("--chat", action="store_true", help="wrap --prompt in the chat template (thinking off)")
+  g.add_argument("--max-new-tokens", type=int, default=64)
+  g.add_argument("--dtype", default="auto")
+  g.add_argument("--temperature", type=float, default=0.0)
+  g.add_argument("--seed", type=int, default=0)
+  g.add_argument("--eos-ids", help="comma-separated EOS ids (default: the config's; '' never stops early)")
+  g.add_argument("--head", help="JetSpec draft head directory (HF format): enables speculative decoding")
+  g.add_argument("--tree", default="accum_logp", choices=["accum_logp", "top2gap", "chain"])
+  g.add_argument("--budget", type=int, default=64, help="tree node budget (counts the root)")
+  g.add_argument("--width", type=int, default=7, help="top-W tokens per depth")
+  g.add_argument("--depth", type=int, default=None, help="draft depth (default: block_size - 1)")
+  g.add_argument("--attention", default="auto", help="auto | xla | pallas | pallas_interpret")
+  common(g)
+  g.set_defaults(fn=cmd_generate)
+
+  d = sub.add_parser("demo", help="the embedded default pipeline on a small model")
+  d.add_argument("--workdir", default=None, help="where artifacts go (default: $JETSPEC_CACHE or ~/.cache/jetspec-jax)")
+  common(d, mesh=False)
+  d.set_defaults(fn=cmd_demo)
+  return p
+
+
+def main(argv=None) -> int:
+  args = build_parser().parse_args(argv)
+  try:
+    result = args.fn(args)
+  except JetSpecError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  except KeyboardInterrupt:
+    print("interrupted", file=sys.stderr)
+    return 130
+  return 1 if result.get("ok") is False else 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
