@@ -21,7 +21,6 @@ from typing import Callable, Iterator, Sequence
 import jax
 import numpy as np
 from safetensors import safe_open
-from safetensors.numpy import save_file
 
 from jetspec_jax.checkpoint import atomic_directory, check_output_dir, restore_params, save_params
 from jetspec_jax.config import Qwen3Config, load_hf_config, read_json
@@ -170,30 +169,59 @@ def _hf_tensors(table: Sequence[Mapping], params: dict[str, jax.Array], dtype) -
     yield from zip(m.hf_keys, m.to_hf(host))
 
 
+_SAFETENSORS_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "float64": "F64",
+                       "int32": "I32", "int64": "I64", "int8": "I8", "uint8": "U8", "bool": "BOOL"}
+
+
+def _write_safetensors_file(path: str, entries: list[tuple[str, tuple[int, ...], np.dtype]],
+                            tensors: Iterator[tuple[str, np.ndarray]]) -> None:
+  """Stream tensors into one safetensors file: the header (from shapes) first, then each tensor's
+  bytes as it arrives, so only one tensor is in host memory at a time."""
+  header, offset = {"__metadata__": {"format": "pt"}}, 0
+  for key, shape, dtype in entries:
+    size = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+    header[key] = {"dtype": _SAFETENSORS_DTYPES[np.dtype(dtype).name], "shape": list(shape),
+                   "data_offsets": [offset, offset + size]}
+    offset += size
+  blob = json.dumps(header, separators=(",", ":")).encode()
+  blob += b" " * (-len(blob) % 8)
+  expected = iter(entries)
+  with open(path, "wb") as f:
+    f.write(len(blob).to_bytes(8, "little"))
+    f.write(blob)
+    for key, array in tensors:
+      want_key, want_shape, want_dtype = next(expected)
+      assert key == want_key and array.shape == tuple(want_shape) and array.dtype == want_dtype, key
+      f.write(np.ascontiguousarray(array).tobytes())
+
+
 def write_safetensors(out_dir: str, table: Sequence[Mapping], params: dict[str, jax.Array],
                       shard_bytes: int = DEFAULT_SHARD_BYTES, dtype=None, prefix: str = "model") -> list[str]:
-  """Write sharded safetensors + index into ``out_dir``; returns the shard file names."""
-  sizes = []
+  """Write sharded safetensors (+ index when more than one file) into ``out_dir``, one weight in
+  host memory at a time; returns the shard file names."""
+  entries, sizes = [], []
   for m in table:
     a = params[m.param]
-    itemsize = np.dtype(dtype).itemsize if dtype is not None else a.dtype.itemsize
-    sizes.append(a.size * itemsize)
+    out_dtype = np.dtype(dtype if dtype is not None else a.dtype)
+    shapes = [x.shape for x in m.to_hf(np.empty(a.shape, np.uint8))]     # shapes only
+    entries.append([(k, s, out_dtype) for k, s in zip(m.hf_keys, shapes)])
+    sizes.append(a.size * out_dtype.itemsize)
   groups, current, total = [], [], 0
-  for m, size in zip(table, sizes):
+  for i, size in enumerate(sizes):
     if current and total + size > shard_bytes:
       groups.append(current)
       current, total = [], 0
-    current.append(m)
+    current.append(i)
     total += size
   groups.append(current)
   names = ([f"{prefix}.safetensors"] if len(groups) == 1 else
            [f"{prefix}-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))])
   weight_map = {}
   for name, group in zip(names, groups):
-    tensors = dict(_hf_tensors(group, params, dtype))
-    save_file(tensors, os.path.join(out_dir, name), metadata={"format": "pt"})
-    weight_map.update({k: name for k in tensors})
-    del tensors
+    file_entries = [e for i in group for e in entries[i]]
+    _write_safetensors_file(os.path.join(out_dir, name), file_entries,
+                            _hf_tensors([table[i] for i in group], params, dtype))
+    weight_map.update({k: name for k, _, _ in file_entries})
   if len(names) > 1:
     with open(os.path.join(out_dir, f"{prefix}.safetensors.index.json"), "w") as f:
       json.dump({"metadata": {"total_size": int(sum(sizes))}, "weight_map": weight_map}, f, indent=2)
