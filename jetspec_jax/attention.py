@@ -47,6 +47,14 @@ def visible_keys(prefix_len: jax.Array, block_mask: jax.Array, cache_len: int) -
   return in_prefix | (in_block & gathered)
 
 
+def _cpu_upcast(*xs):
+  """XLA:CPU has no BF16 x BF16 -> F32 dot with two batch dimensions (B and KV heads, both > 1):
+  there the operands go to float32 first, which gives exactly the same products."""
+  if jax.default_backend() != "cpu" or all(x.dtype == jnp.float32 for x in xs):
+    return xs
+  return tuple(x.astype(jnp.float32) for x in xs)
+
+
 def xla_attention(q, k_cache, v_cache, prefix_len, block_mask, *, sm_scale: float | None = None):
   """Reference masked attention (see module docstring for shapes)."""
   batch, num_q, num_heads, head_dim = q.shape
@@ -54,12 +62,12 @@ def xla_attention(q, k_cache, v_cache, prefix_len, block_mask, *, sm_scale: floa
   group = num_heads // num_kv
   scale = head_dim ** -0.5 if sm_scale is None else sm_scale
   qg = q.reshape(batch, num_q, num_kv, group, head_dim)
-  scores = jnp.einsum("btkgd,bksd->bkgts", qg, k_cache, preferred_element_type=jnp.float32) * scale
+  scores = jnp.einsum("btkgd,bksd->bkgts", *_cpu_upcast(qg, k_cache), preferred_element_type=jnp.float32) * scale
   mask = visible_keys(prefix_len, block_mask, k_cache.shape[2])   # [B, T, S]
   scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
   probs = jax.nn.softmax(scores, axis=-1)
   probs = jnp.where(mask[:, None, None], probs, 0.0)
-  out = jnp.einsum("bkgts,bksd->btkgd", probs.astype(v_cache.dtype), v_cache,
+  out = jnp.einsum("bkgts,bksd->btkgd", *_cpu_upcast(probs.astype(v_cache.dtype), v_cache),
                    preferred_element_type=jnp.float32)
   return out.reshape(batch, num_q, num_heads, head_dim).astype(q.dtype)
 

@@ -35,12 +35,14 @@ def atomic_directory(out_dir: str, overwrite: bool = False):
   os.makedirs(tmp)
   try:
     yield tmp
+    if os.path.isdir(out_dir) and not os.path.islink(out_dir):
+      shutil.rmtree(out_dir)
+    elif os.path.lexists(out_dir):     # overwrite=True over a file or link
+      os.remove(out_dir)
+    os.rename(tmp, out_dir)
   except BaseException:
     shutil.rmtree(tmp, ignore_errors=True)
     raise
-  if os.path.exists(out_dir):
-    shutil.rmtree(out_dir)
-  os.rename(tmp, out_dir)
 
 
 def save_params(path: str, params: dict[str, jax.Array]) -> None:

@@ -129,6 +129,30 @@ def cmd_generate(args) -> dict:
   return res
 
 
+def cmd_train(args) -> dict:
+  from jetspec_jax import distributed
+  from jetspec_jax.train import trainer
+  from jetspec_jax.train.config_file import load_config
+  config = load_config(args.config, args.overrides)
+  info = distributed.initialize()
+  res = trainer.run(config, progress=not args.json)
+  res["processes"] = info.process_count
+  m = res["metrics"]
+  _emit(args, res, f"trained {res['step']} steps -> {res['output_dir']}: loss {m.get('loss', float('nan')):.4f}"
+                   + (f", eval tau {m['eval_tau']:.2f}" if "eval_tau" in m else "")
+                   + (f"; head (HF format) in {res['head_dir']}" if "head_dir" in res else ""))
+  return res
+
+
+def cmd_regenerate(args) -> dict:
+  from jetspec_jax.train.regenerate import regenerate
+  res = regenerate(args.target, args.source, args.out_dir, max_new_tokens=args.max_new_tokens,
+                   batch_size=args.batch_size, temperature=args.temperature, seed=args.seed, limit=args.limit,
+                   mesh=_mesh(args), progress=not args.json)
+  _emit(args, res, json.dumps(res, indent=2))
+  return res
+
+
 def cmd_demo(args) -> dict:
   from jetspec_jax import demo
   res = demo.run(workdir=args.workdir, quiet=args.json)
@@ -181,6 +205,23 @@ def build_parser() -> argparse.ArgumentParser:
   common(g)
   g.set_defaults(fn=cmd_generate)
 
+  t = sub.add_parser("train", help="train a JetSpec draft head (ml_collections config)")
+  t.add_argument("--config", required=True, help="config file, e.g. configs/tiny.py (or a name: tiny)")
+  common(t, mesh=False)
+  t.set_defaults(fn=cmd_train)
+
+  r = sub.add_parser("regenerate", help="replace assistant turns by the target's own responses (resumable)")
+  r.add_argument("--target", required=True)
+  r.add_argument("--source", required=True, help="'sharegpt' or a JSONL file of {\"messages\": [...]} rows")
+  r.add_argument("--out-dir", required=True)
+  r.add_argument("--max-new-tokens", type=int, default=256)
+  r.add_argument("--batch-size", type=int, default=8)
+  r.add_argument("--temperature", type=float, default=0.0)
+  r.add_argument("--seed", type=int, default=0)
+  r.add_argument("--limit", type=int, default=None, help="at most this many conversations")
+  common(r)
+  r.set_defaults(fn=cmd_regenerate)
+
   d = sub.add_parser("demo", help="the embedded default pipeline on a small model")
   d.add_argument("--workdir", default=None, help="where artifacts go (default: $JETSPEC_CACHE or ~/.cache/jetspec-jax)")
   common(d, mesh=False)
@@ -189,7 +230,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-  args = build_parser().parse_args(argv)
+  parser = build_parser()
+  args, extra = parser.parse_known_args(argv)
+  overrides = [a for a in extra if a.startswith("--config.")]
+  if len(overrides) != len(extra) or (overrides and args.command != "train"):
+    parser.error(f"unrecognized arguments: {' '.join(a for a in extra if a not in overrides) or ' '.join(extra)}")
+  args.overrides = overrides
   try:
     result = args.fn(args)
   except JetSpecError as e:

@@ -352,6 +352,15 @@ def test_failure_mid_way_leaves_no_output(step, hf_dir, tmp_path, monkeypatch):
   assert os.listdir(work) == []
 
 
+def test_overwrite_replaces_a_file(hf_dir, tmp_path):
+  out = tmp_path / "out"
+  out.write_text("a file, not a directory")
+  with pytest.raises(JetSpecError, match="already exists"):
+    convert.export_hf(hf_dir("dense_tied", "float32"), str(out))
+  convert.export_hf(hf_dir("dense_tied", "float32"), str(out), overwrite=True)
+  assert os.path.isfile(out / "model.safetensors") and os.listdir(tmp_path) == ["out"]
+
+
 def test_failure_with_overwrite_keeps_the_old_output(hf_dir, tmp_path, monkeypatch):
   hf_in = hf_dir("dense_tied", "float32")
   out = tmp_path / "out"

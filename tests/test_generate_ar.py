@@ -137,3 +137,13 @@ def test_bad_prompts_raise(target):
     loop.generate_ar(params, cfg, [[1, 2], []], max_new_tokens=2)
   with pytest.raises(JetSpecError, match="outside the vocabulary"):
     loop.generate_ar(params, cfg, [[1, cfg.vocab_size]], max_new_tokens=2)
+
+
+def test_bfloat16_generation_runs_on_cpu(hf_dir):
+  """bf16 weights and cache, batch 2, 2 KV heads (the decode-time attention shapes)."""
+  from jetspec_jax import convert
+  cfg, params, _ = convert.load_target(hf_dir("dense", "bfloat16"))
+  assert cfg.num_key_value_heads == 2
+  out = loop.generate_ar(params, cfg, [[1, 2, 3], [4, 5]], max_new_tokens=5)
+  assert [len(t) for t in out["token_ids"]] == [5, 5]
+  assert all(0 <= t < cfg.vocab_size for row in out["token_ids"] for t in row)

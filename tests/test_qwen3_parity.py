@@ -82,3 +82,28 @@ def test_chunked_prefill_through_cache_matches_transformers(name, jax_target):
   logits2 = np.asarray(logits2)
   np.testing.assert_allclose(logits2[0], ref[0, 5:9], rtol=0, atol=ATOL)
   np.testing.assert_allclose(logits2[1], ref[1, 8:12], rtol=0, atol=ATOL)
+
+
+@pytest.mark.parametrize("name", ["dense", "moe_norm"])
+def test_bfloat16_forward_is_as_accurate_as_transformers_bfloat16(name, hf_dir):
+  """bf16 weights on CPU (batch 2, 2 KV heads: a dot XLA:CPU cannot do in bf16 -> f32 directly).
+  Against the float32 reference, JAX bf16 errs about as much as transformers bf16 does."""
+  import copy
+
+  import jax
+  import torch
+  from jetspec_jax import convert
+  cfg, params, _ = convert.load_target(hf_dir(name, "bfloat16"))
+  assert params["embed"].dtype == jnp.bfloat16
+  model = hf_fixtures.named_model(name)
+  tokens = hf_fixtures.random_tokens(cfg.vocab_size, (2, 11), seed=1)
+  ref32 = hf_fixtures.hf_logits(model, tokens)
+  ref16 = hf_fixtures.hf_logits(copy.deepcopy(model).to(torch.bfloat16), tokens)
+  cache = qwen3.init_cache(cfg, 2, 11, jnp.bfloat16)
+  logits, cache, _ = jax.jit(qwen3.forward, static_argnames=("cfg",))(
+      params, cfg=cfg, tokens=jnp.asarray(tokens), positions=jnp.broadcast_to(jnp.arange(11), (2, 11)),
+      cache=cache, prefix_len=jnp.zeros(2, jnp.int32), block_mask=qwen3.causal_mask(2, 11))
+  logits = np.asarray(logits)
+  assert logits.dtype == np.float32 and cache.k[0].dtype == jnp.bfloat16 and np.isfinite(logits).all()
+  ours, theirs = np.abs(logits - ref32).mean(), np.abs(ref16 - ref32).mean()
+  assert ours <= 2 * theirs + 1e-3, (ours, theirs)

@@ -16,7 +16,7 @@ import numpy as np
 
 from jetspec_jax.config import Qwen3Config
 from jetspec_jax.decode.prompts import batch_prompts
-from jetspec_jax.decode.sampling import select_tokens
+from jetspec_jax.decode.sampling import sample_tokens, sequence_keys, step_keys, validate_sampling
 from jetspec_jax.models import qwen3
 
 
@@ -30,7 +30,7 @@ class DecodeState:
   last_token: jax.Array   # [B] int32
   prefix_len: jax.Array   # [B] int32
   done: jax.Array         # [B] bool: hit EOS or max_new_tokens
-  key: jax.Array          # PRNG key
+  key: jax.Array          # [B] per-sequence PRNG keys (fixed; step s draws from fold_in(key[b], s))
   steps: jax.Array        # [] int32: target forwards after prefill
 
 
@@ -57,33 +57,35 @@ def commit_tokens(tokens, num_tokens, done, new, count, eos_ids: tuple[int, ...]
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "max_new_tokens", "eos_ids", "temperature", "attn_impl",
-                                             "tap_layers", "mesh"), donate_argnames=("cache",))
+                                             "tap_layers", "mesh", "top_k", "top_p"), donate_argnames=("cache",))
 def prefill(params, cache, prompt, prompt_len, key, *, cfg: Qwen3Config, max_new_tokens: int,
             eos_ids: tuple[int, ...], temperature: float, attn_impl: str = "xla",
-            tap_layers: tuple[int, ...] = (), mesh=None):
+            tap_layers: tuple[int, ...] = (), mesh=None, top_k: int = 0, top_p: float = 1.0):
   """Run right-padded prompts [B, T] (lengths [B]) through the target; select the first token.
 
+  ``key``: one PRNG key (sequence b then uses fold_in(key, b)) or [B] per-sequence keys.
   Returns (DecodeState, taps [B, T, F] or None)."""
   batch, length = prompt.shape
   positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
   logits, cache, taps = qwen3.forward(
       params, cfg, prompt, positions, cache, jnp.zeros((batch,), jnp.int32), qwen3.causal_mask(batch, length),
       tap_layers=tap_layers, attn_impl=attn_impl, mesh=mesh, logits_rows=(prompt_len - 1)[:, None])
-  key, sub = jax.random.split(key)
-  first = select_tokens(logits[:, 0], sub, temperature)
+  keys = sequence_keys(key, batch) if key.ndim == 0 else key
+  first = sample_tokens(logits[:, 0], step_keys(keys, 0), temperature, top_k, top_p)
   out = jnp.full((batch, max_new_tokens), -1, jnp.int32)
   zeros = jnp.zeros((batch,), jnp.int32)
   out, num, done, _ = commit_tokens(out, zeros, jnp.zeros((batch,), bool), first[:, None],
                                     jnp.ones((batch,), jnp.int32), eos_ids)
   state = DecodeState(cache=cache, tokens=out, num_tokens=num, last_token=first, prefix_len=prompt_len,
-                      done=done, key=key, steps=jnp.zeros((), jnp.int32))
+                      done=done, key=keys, steps=jnp.zeros((), jnp.int32))
   return state, taps
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "eos_ids", "temperature", "attn_impl", "mesh"),
+@functools.partial(jax.jit, static_argnames=("cfg", "eos_ids", "temperature", "attn_impl", "mesh", "top_k", "top_p"),
                    donate_argnames=("state",))
 def ar_decode(params, state: DecodeState, *, cfg: Qwen3Config, eos_ids: tuple[int, ...],
-              temperature: float, attn_impl: str = "xla", mesh=None) -> DecodeState:
+              temperature: float, attn_impl: str = "xla", mesh=None, top_k: int = 0,
+              top_p: float = 1.0) -> DecodeState:
   """Plain autoregressive decoding until every sequence is done (one token per target forward)."""
   batch = state.last_token.shape[0]
   one_mask = jnp.ones((batch, 1, 1), bool)
@@ -91,13 +93,12 @@ def ar_decode(params, state: DecodeState, *, cfg: Qwen3Config, eos_ids: tuple[in
   def body(s: DecodeState) -> DecodeState:
     logits, cache, _ = qwen3.forward(params, cfg, s.last_token[:, None], s.prefix_len[:, None], s.cache,
                                      s.prefix_len, one_mask, attn_impl=attn_impl, mesh=mesh)
-    key, sub = jax.random.split(s.key)
-    nxt = select_tokens(logits[:, 0], sub, temperature)
+    nxt = sample_tokens(logits[:, 0], step_keys(s.key, s.steps + 1), temperature, top_k, top_p)
     active = ~s.done
     tokens, num, done, _ = commit_tokens(s.tokens, s.num_tokens, s.done, nxt[:, None],
                                          jnp.ones((batch,), jnp.int32), eos_ids)
     return DecodeState(cache=cache, tokens=tokens, num_tokens=num, last_token=jnp.where(active, nxt, s.last_token),
-                       prefix_len=s.prefix_len + active.astype(jnp.int32), done=done, key=key, steps=s.steps + 1)
+                       prefix_len=s.prefix_len + active.astype(jnp.int32), done=done, key=s.key, steps=s.steps + 1)
 
   return jax.lax.while_loop(lambda s: ~jnp.all(s.done), body, state)
 
@@ -112,8 +113,15 @@ def block_until_ready(tree):
 
 
 def generate_ar(params, cfg: Qwen3Config, prompts, *, max_new_tokens: int, temperature: float = 0.0,
-                eos_ids=None, seed: int = 0, attn_impl: str = "xla", mesh=None, cache_dtype=None) -> dict:
-  """Autoregressive generation for a list of token-id prompts. Returns token lists and timing."""
+                eos_ids=None, seed: int = 0, attn_impl: str = "xla", mesh=None, cache_dtype=None,
+                top_k: int = 0, top_p: float = 1.0) -> dict:
+  """Autoregressive generation for a list of token-id prompts. Returns token lists and timing.
+
+  temperature 0 is greedy; otherwise tokens are sampled from the processed distribution
+  (``decode.sampling``: temperature, then top_k (0 = off), then top_p (1 = off)) with
+  per-sequence keys derived from ``seed`` (reproducible)."""
+  validate_sampling(temperature, top_k, top_p)
+  top_k, top_p = (0, 1.0) if temperature == 0 else (int(top_k), float(top_p))
   tokens, lengths = batch_prompts(prompts, cfg.vocab_size)
   eos = resolve_eos(cfg, eos_ids)
   dtype = cache_dtype or params["embed"].dtype
@@ -121,11 +129,11 @@ def generate_ar(params, cfg: Qwen3Config, prompts, *, max_new_tokens: int, tempe
   t0 = time.perf_counter()
   state, _ = prefill(params, cache, jnp.asarray(tokens), jnp.asarray(lengths), jax.random.key(seed), cfg=cfg,
                      max_new_tokens=max_new_tokens, eos_ids=eos, temperature=float(temperature),
-                     attn_impl=attn_impl, mesh=mesh)
+                     attn_impl=attn_impl, mesh=mesh, top_k=top_k, top_p=top_p)
   block_until_ready(state)
   t1 = time.perf_counter()
   state = ar_decode(params, state, cfg=cfg, eos_ids=eos, temperature=float(temperature), attn_impl=attn_impl,
-                    mesh=mesh)
+                    mesh=mesh, top_k=top_k, top_p=top_p)
   out, num, steps = jax.device_get((state.tokens, state.num_tokens, state.steps))
   t2 = time.perf_counter()
   return {"token_ids": [out[b, :num[b]].tolist() for b in range(len(prompts))],

@@ -1,12 +1,118 @@
-"""Token selection from logits: greedy (temperature 0) or temperature sampling."""
+"""Token selection from logits: greedy (temperature 0) or sampling with temperature, top-k, top-p.
+
+One processing rule is shared by every sampler in the project (AR, the prefill's first token,
+the speculative target distribution p at every tree node and the draft distributions q):
+
+  1. divide the float32 logits by ``temperature``;
+  2. ``top_k`` > 0: keep the k most likely tokens (ties to the lower token id, like lax.top_k);
+  3. ``top_p`` < 1: among the kept tokens, renormalised, keep the smallest prefix (most likely
+     first) whose cumulative probability is >= top_p; the most likely token is always kept;
+  4. renormalise: log-probabilities with -inf outside the kept set.
+
+Randomness is per sequence and reproducible: ``sequence_keys(seed_key, B)`` gives sequence b the
+key fold_in(seed_key, b), and every draw of one step / round uses ``step_keys(keys, step)`` =
+fold_in(keys[b], step) (step 0: the prefill's first token; step s >= 1: the s-th target forward
+after the prefill). Inside a speculative round the draws are further folded with fixed tags
+(``DRAFT_TAG``, ``ACCEPT_TAG``) and the depth, so a drafter can reproduce the tree's Gumbel noise
+(``draft_gumbel``) from the state it is given.
+"""
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
+from jetspec_jax.errors import JetSpecError
 
-def select_tokens(logits: jax.Array, key: jax.Array, temperature: float) -> jax.Array:
-  """logits [..., V] float32 -> token ids [...] int32; ``temperature`` is static (0 = greedy)."""
+DRAFT_TAG = 1      # round key -> Gumbel noise of the draft candidates (per depth)
+ACCEPT_TAG = 2     # round key -> uniforms / target samples of the acceptance walk (per depth)
+ACCEPT_RULES = ("match", "rejection")
+
+
+def validate_sampling(temperature: float, top_k: int, top_p: float, accept: str | None = None) -> None:
+  if not temperature >= 0:
+    raise JetSpecError(f"temperature must be >= 0, got {temperature}")
+  if int(top_k) != top_k or top_k < 0:
+    raise JetSpecError(f"top_k must be a non-negative integer (0 = off), got {top_k}")
+  if not 0.0 < top_p <= 1.0:
+    raise JetSpecError(f"top_p must be in (0, 1] (1 = off), got {top_p}")
+  if accept is not None and accept not in ACCEPT_RULES:
+    raise JetSpecError(f"unknown acceptance rule {accept!r}; choose one of {', '.join(ACCEPT_RULES)}")
+
+
+def _process_row(x: jax.Array, top_k: int, top_p: float) -> jax.Array:
+  """One row [V] of temperature-scaled float32 logits -> masked logits (-inf outside the kept set)."""
+  vocab = x.shape[-1]
+  k = top_k if 0 < top_k < vocab else vocab
+  vals, idx = jax.lax.top_k(x, k)                                  # sorted, ties to the lower id
+  keep = jnp.ones((k,), bool)
+  if top_p < 1.0:
+    probs = jax.nn.softmax(vals)
+    before = jnp.cumsum(probs) - probs                             # mass strictly before each rank
+    keep = before < jnp.float32(top_p)
+    keep = keep.at[0].set(True)
+  return jnp.full((vocab,), -jnp.inf, jnp.float32).at[idx].set(jnp.where(keep, vals, -jnp.inf))
+
+
+def process_logits(logits: jax.Array, temperature: float, top_k: int = 0, top_p: float = 1.0) -> jax.Array:
+  """logits [..., V] -> float32 log-probabilities [..., V] of the processed distribution.
+
+  ``temperature`` (> 0), ``top_k`` (0 = off) and ``top_p`` (1.0 = off) are static; see the
+  module docstring for the rule. Tokens outside the kept set get -inf."""
+  if temperature <= 0:
+    raise JetSpecError("process_logits needs temperature > 0 (temperature 0 is greedy argmax)")
+  x = logits.astype(jnp.float32) / jnp.float32(temperature)
+  vocab = x.shape[-1]
+  if (0 < top_k < vocab) or top_p < 1.0:
+    flat = x.reshape(-1, vocab)
+    x = jax.vmap(lambda r: _process_row(r, top_k, top_p))(flat).reshape(x.shape)
+  return jax.nn.log_softmax(x, axis=-1)
+
+
+def sample_tokens(logits: jax.Array, key: jax.Array, temperature: float, top_k: int = 0,
+                  top_p: float = 1.0) -> jax.Array:
+  """logits [..., V] -> token ids [...] int32. Temperature 0: argmax (top_k / top_p ignored: the
+  most likely token is always kept). ``key`` is one key, or keys of shape [...] (one per row)."""
   if temperature == 0.0:
     return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-  return jax.random.categorical(key, logits / temperature, axis=-1).astype(jnp.int32)
+  logp = process_logits(logits, temperature, top_k, top_p)
+  if key.shape == ():
+    return jax.random.categorical(key, logp, axis=-1).astype(jnp.int32)
+  return jax.vmap(lambda k, lp: jax.random.categorical(k, lp, axis=-1))(
+      key.reshape(-1), logp.reshape((-1,) + logp.shape[key.ndim:])).reshape(key.shape + logp.shape[key.ndim:-1]
+                                                                          ).astype(jnp.int32)
+
+
+def select_tokens(logits: jax.Array, key: jax.Array, temperature: float, top_k: int = 0,
+                  top_p: float = 1.0) -> jax.Array:
+  """logits [..., V] float32 -> token ids [...] int32; ``temperature`` is static (0 = greedy)."""
+  return sample_tokens(logits, key, temperature, top_k, top_p)
+
+
+def sequence_keys(key: jax.Array, batch: int) -> jax.Array:
+  """One key per sequence: fold_in(key, b) for b < batch -> [B] keys."""
+  return jax.vmap(lambda b: jax.random.fold_in(key, b))(jnp.arange(batch, dtype=jnp.uint32))
+
+
+def step_keys(keys: jax.Array, step: jax.Array) -> jax.Array:
+  """Per-sequence keys [B] of one step (0 = prefill, s = the s-th target forward after it)."""
+  return jax.vmap(lambda k: jax.random.fold_in(k, step))(keys)
+
+
+def draft_gumbel(round_keys: jax.Array, depth: int, vocab: int) -> jax.Array:
+  """Gumbel noise [B, depth, V] float32 of a speculative round's draft candidates.
+
+  Depth index k (depth k+1) of sequence b uses fold_in(fold_in(round_keys[b], DRAFT_TAG), k), so
+  the noise of one depth is a deterministic function of (sequence key, round, depth) that a
+  drafter can reproduce (``speculative.round_keys(state)`` gives the round keys)."""
+  def one(key):
+    key = jax.random.fold_in(key, DRAFT_TAG)
+    return jax.vmap(lambda d: jax.random.gumbel(jax.random.fold_in(key, d), (vocab,), jnp.float32))(
+        jnp.arange(depth, dtype=jnp.uint32))
+  return jax.vmap(one)(round_keys)
+
+
+def gumbel_top_k(log_probs: jax.Array, gumbel: jax.Array, k: int) -> jax.Array:
+  """k distinct tokens [..., k] drawn WITHOUT replacement from softmax(log_probs), in sampled
+  order (Gumbel-top-k: the top-k of log_probs + Gumbel noise). Tokens with log-prob -inf only
+  appear once the support is exhausted (they are never valid candidates)."""
+  return jax.lax.top_k(log_probs + gumbel, k)[1].astype(jnp.int32)

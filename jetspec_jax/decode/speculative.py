@@ -6,6 +6,14 @@ Invariants at the top of every round (per sequence b):
   draft context cache rows 0..prefix_len[b]-1 hold those same positions' fused target features;
   ``last_token`` (the newest committed token) is the anchor of the next block.
 Greedy output is identical to plain autoregressive decoding (tested in float32).
+
+At temperature > 0 the round samples instead (``decode.sampling`` processing applied identically
+to the target and the draft): ``accept="match"`` verifies the deterministic top-W tree by one
+target draw per node, ``accept="rejection"`` fills the same-shaped tree with Gumbel-top-k draws
+of the draft and verifies it by recursive rejection sampling; both are lossless (the argument is
+in ``decode.verify``). Round r of sequence b draws from ``round_keys(state)`` =
+fold_in(key[b], steps + 1), so a drafter can reproduce the tree's Gumbel noise with
+``sampling.draft_gumbel(round_keys(state), D, V)``.
 """
 from __future__ import annotations
 
@@ -20,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jetspec_jax.config import Qwen3Config
-from jetspec_jax.decode import verify
+from jetspec_jax.decode import sampling, verify
 from jetspec_jax.decode.loop import DecodeState, block_until_ready, commit_tokens, prefill, resolve_eos
 from jetspec_jax.decode.prompts import batch_prompts
 from jetspec_jax.decode.tree import TREE_METHODS, build_tree, tree_size
@@ -65,6 +73,12 @@ class SpecState:
 Drafter = Callable[..., tuple[jax.Array, qwen3.KVCache]]
 
 
+def round_keys(state: SpecState) -> jax.Array:
+  """Per-sequence keys [B] of the round about to run on ``state`` (the tree's Gumbel noise is
+  ``sampling.draft_gumbel(round_keys(state), D, V)``)."""
+  return sampling.step_keys(state.base.key, state.base.steps + 1)
+
+
 def head_drafter(target_params, head_params, state: SpecState, *, cfg, head_cfg, tree_cfg, attn_impl, mesh):
   """The JetSpec head: per-depth logits of the block [last_token, mask...] after the context."""
   return draft_head.draft_logits(head_params, head_cfg, target_params, cfg, state.draft_cache,
@@ -79,25 +93,52 @@ def prefill_context(head_params, draft_cache, taps, *, cfg, head_cfg):
   return draft_head.append_context(head_params, head_cfg, draft_cache, taps, start)
 
 
+def build_round_tree(anchor, depth_logits, keys, tree_cfg: TreeConfig, *, temperature: float, top_k: int,
+                     top_p: float, accept: str):
+  """The round's tree and the processed draft log-probs (None when greedy).
+
+  Greedy: today's tree from the raw draft logits. match: the deterministic tree (top-W tokens) of
+  the processed draft distribution. rejection: the same shape, child rank r at depth d holding the
+  r-th Gumbel-top-k draw of the processed depth-d distribution (noise from ``keys``)."""
+  kw = dict(method=tree_cfg.method, budget=tree_cfg.budget, width=tree_cfg.width)
+  if temperature == 0.0:
+    return build_tree(anchor, depth_logits, **kw), None
+  logp = sampling.process_logits(depth_logits, temperature, top_k, top_p)          # [B, D, V]
+  if accept == "match":
+    return build_tree(anchor, logp, **kw), logp
+  k = 1 if tree_cfg.method == "chain" else tree_cfg.width
+  noise = sampling.draft_gumbel(keys, logp.shape[1], logp.shape[2])
+  return build_tree(anchor, logp, depth_tokens=sampling.gumbel_top_k(logp, noise, k), **kw), logp
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "head_cfg", "tree_cfg", "eos_ids", "attn_impl", "mesh",
-                                             "drafter"), donate_argnames=("state",))
+                                             "drafter", "temperature", "top_k", "top_p", "accept"),
+                   donate_argnames=("state",))
 def spec_decode(target_params, head_params, state: SpecState, *, cfg: Qwen3Config, head_cfg: DraftConfig,
                 tree_cfg: TreeConfig, eos_ids: tuple[int, ...], attn_impl: str = "xla", mesh=None,
-                drafter: Drafter = head_drafter) -> SpecState:
-  """Speculative rounds until every sequence is done."""
+                drafter: Drafter = head_drafter, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                accept: str = "rejection") -> SpecState:
+  """Speculative rounds until every sequence is done (greedy at temperature 0, else sampled with
+  the ``accept`` rule: "match" | "rejection")."""
   depth = tree_cfg.depth
+  width = 1 if tree_cfg.method == "chain" else tree_cfg.width
 
   def body(s: SpecState) -> SpecState:
     b = s.base
     active = ~b.done
     depth_logits, draft_cache = drafter(target_params, head_params, s, cfg=cfg, head_cfg=head_cfg,
                                         tree_cfg=tree_cfg, attn_impl=attn_impl, mesh=mesh)
-    tree = build_tree(b.last_token, depth_logits, method=tree_cfg.method, budget=tree_cfg.budget,
-                      width=tree_cfg.width)
+    keys = round_keys(s)
+    tree, draft_logp = build_round_tree(b.last_token, depth_logits, keys, tree_cfg, temperature=temperature,
+                                        top_k=top_k, top_p=top_p, accept=accept)
     logits, cache, taps = verify.verify_tree(target_params, cfg, tree, b.cache, b.prefix_len,
                                              tap_layers=head_cfg.target_layer_ids, attn_impl=attn_impl, mesh=mesh)
-    target_next = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    acc = verify.greedy_accept(tree, target_next, depth)
+    if temperature == 0.0:
+      target_next = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+      acc = verify.greedy_accept(tree, target_next, depth)
+    else:
+      acc = verify.sample_accept(tree, logits, draft_logp if accept == "rejection" else None, keys, rule=accept,
+                                 max_depth=depth, width=width, temperature=temperature, top_k=top_k, top_p=top_p)
     cache = verify.compact_cache(cache, b.prefix_len, acc.path)
     path_taps = jnp.take_along_axis(taps, acc.path[:, :, None], axis=1)              # [B, D+1, F]
     draft_cache = draft_head.append_context(head_params, head_cfg, draft_cache, path_taps, b.prefix_len)
@@ -122,8 +163,18 @@ def cache_lengths(prompt_len: int, max_new_tokens: int, head_cfg: DraftConfig, t
 
 def generate_speculative(target_params, cfg: Qwen3Config, head_params, head_cfg: DraftConfig, prompts, *,
                          max_new_tokens: int, tree_cfg: TreeConfig = TreeConfig(), eos_ids=None,
-                         attn_impl: str = "xla", mesh=None, drafter: Drafter = head_drafter) -> dict:
-  """Greedy JetSpec generation for token-id prompts. Returns tokens, metrics and timing."""
+                         attn_impl: str = "xla", mesh=None, drafter: Drafter = head_drafter,
+                         temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, accept: str = "rejection",
+                         seed: int = 0) -> dict:
+  """JetSpec generation for token-id prompts. Returns tokens, metrics and timing.
+
+  temperature 0 (default): greedy, identical to AR. temperature > 0: lossless sampling from the
+  target's processed distribution (temperature, top_k (0 = off), top_p (1 = off); see
+  ``decode.sampling``) with acceptance rule ``accept`` ("rejection" | "match"; ignored when
+  greedy) and per-sequence keys from ``seed``."""
+  sampling.validate_sampling(temperature, top_k, top_p, accept)
+  temperature = float(temperature)
+  top_k, top_p = (0, 1.0) if temperature == 0 else (int(top_k), float(top_p))
   tree_cfg.validate(head_cfg)
   head_cfg.validate(cfg)
   tokens, lengths = batch_prompts(prompts, cfg.vocab_size)
@@ -134,21 +185,24 @@ def generate_speculative(target_params, cfg: Qwen3Config, head_params, head_cfg:
   cache = qwen3.init_cache(cfg, batch, target_len, dtype, mesh)
   draft_cache = draft_head.init_context_cache(head_cfg, batch, draft_len, head_params["fc"].dtype, mesh)
   t0 = time.perf_counter()
-  base, taps = prefill(target_params, cache, jnp.asarray(tokens), jnp.asarray(lengths), jax.random.key(0),
-                       cfg=cfg, max_new_tokens=max_new_tokens, eos_ids=eos, temperature=0.0, attn_impl=attn_impl,
-                       tap_layers=head_cfg.target_layer_ids, mesh=mesh)
+  base, taps = prefill(target_params, cache, jnp.asarray(tokens), jnp.asarray(lengths), jax.random.key(seed),
+                       cfg=cfg, max_new_tokens=max_new_tokens, eos_ids=eos, temperature=temperature,
+                       attn_impl=attn_impl, tap_layers=head_cfg.target_layer_ids, mesh=mesh, top_k=top_k, top_p=top_p)
   draft_cache = prefill_context(head_params, draft_cache, taps, cfg=cfg, head_cfg=head_cfg)
   state = SpecState(base=base, draft_cache=draft_cache, rounds=jnp.zeros((batch,), jnp.int32),
                     depth_hist=jnp.zeros((batch, tree_cfg.depth + 1), jnp.int32))
   block_until_ready(state)
   t1 = time.perf_counter()
   state = spec_decode(target_params, head_params, state, cfg=cfg, head_cfg=head_cfg, tree_cfg=tree_cfg,
-                      eos_ids=eos, attn_impl=attn_impl, mesh=mesh, drafter=drafter)
+                      eos_ids=eos, attn_impl=attn_impl, mesh=mesh, drafter=drafter, temperature=temperature,
+                      top_k=top_k, top_p=top_p, accept=accept if temperature > 0 else "rejection")
   out, num, rounds, hist = jax.device_get((state.base.tokens, state.base.num_tokens, state.rounds,
                                            state.depth_hist))
   t2 = time.perf_counter()
   return {"token_ids": [out[b, :num[b]].tolist() for b in range(batch)],
-          "prefill_s": t1 - t0, "decode_s": t2 - t1, **speculative_metrics(num, rounds, hist, tree_cfg)}
+          "prefill_s": t1 - t0, "decode_s": t2 - t1, **speculative_metrics(num, rounds, hist, tree_cfg),
+          "sampling": {"temperature": temperature, "top_k": top_k, "top_p": top_p,
+                       "accept": accept if temperature > 0 else "greedy", "seed": seed}}
 
 
 def speculative_metrics(num_tokens, rounds, depth_hist, tree_cfg: TreeConfig) -> dict:

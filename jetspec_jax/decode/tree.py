@@ -15,6 +15,12 @@ depth k+1. Methods:
               depth-(d+1) distribution (round half to even). N = budget.
   chain       node d (depth d) is the argmax of depth d's logits, parent d-1. N = D + 1.
 
+Sampled trees (``depth_tokens``): the SHAPE (parents, depths, child ranks) is built exactly as
+above from the sorted top-W log-probs of ``depth_logits``, but the child of rank r at depth d
+gets ``depth_tokens[:, d-1, r]`` instead of the r-th most likely token (the rejection rule
+passes the r-th Gumbel-top-k sample of depth d; see ``decode.verify``). The shape therefore
+never depends on which tokens were sampled.
+
 Invariants of every tree: parents[i] < i for i > 0 (parents precede children),
 depths[i] = depths[parents[i]] + 1, sibling tokens are distinct, and padding nodes
 (valid False, only when the search ran out of nodes) come after all valid ones.
@@ -64,12 +70,15 @@ def tree_size(method: str, budget: int, depth: int) -> int:
   return budget
 
 
-def _chain(anchor: jax.Array, depth_logits: jax.Array) -> Tree:
-  """Chain of the per-depth argmax tokens: N = D + 1 nodes, node d at depth d."""
+def _chain(anchor: jax.Array, depth_logits: jax.Array, depth_tokens: jax.Array | None = None) -> Tree:
+  """Chain of the per-depth argmax tokens (or depth_tokens[:, :, 0]): N = D + 1 nodes, node d at depth d."""
   batch, depth, _ = depth_logits.shape
   n = depth + 1
-  # top_k(., 1) is argmax with ties to the lower token id, about 3x faster on CPU at V = 32k.
-  best = jax.lax.top_k(depth_logits, 1)[1][..., 0].astype(jnp.int32)       # [B, D]
+  if depth_tokens is not None:
+    best = depth_tokens[:, :, 0].astype(jnp.int32)
+  else:
+    # top_k(., 1) is argmax with ties to the lower token id, about 3x faster on CPU at V = 32k.
+    best = jax.lax.top_k(depth_logits, 1)[1][..., 0].astype(jnp.int32)       # [B, D]
   tokens = jnp.concatenate([anchor[:, None].astype(jnp.int32), best], axis=1)
   idx = jnp.arange(n, dtype=jnp.int32)
   rows = jnp.broadcast_to(idx, (batch, n))
@@ -153,20 +162,28 @@ def _heap_tree(anchor: jax.Array, top_tok: jax.Array, top_lp: jax.Array, caps: j
 
 
 def build_tree(anchor: jax.Array, depth_logits: jax.Array, *, method: str, budget: int,
-               width: int, top2gap_beta: float = 2.0, top2gap_g0: float = 1.0) -> Tree:
+               width: int, top2gap_beta: float = 2.0, top2gap_g0: float = 1.0,
+               depth_tokens: jax.Array | None = None) -> Tree:
   """Builds a token tree per batch row (see the module docstring for the methods).
 
   anchor [B] int32 (the root token); depth_logits [B, D, V] float, where
   depth_logits[:, k] is the draft distribution for depth k+1. method, budget, width,
   top2gap_beta and top2gap_g0 are static; budget and width are ignored by ``chain``.
+  depth_tokens [B, D, W'] int32 (optional, W' >= width, W' >= 1 for chain): tokens to put at
+  child rank r of depth k+1 (``depth_tokens[:, k, r]``) in place of the rank-r token of
+  depth_logits; the shape still comes from depth_logits.
   Returns a Tree with N = tree_size(method, budget, D) nodes.
   """
   _check_method(method)
   if depth_logits.ndim != 3 or anchor.shape != depth_logits.shape[:1] or depth_logits.shape[1] < 1:
     raise JetSpecError(f"expected anchor [B] and depth_logits [B, D, V] with D >= 1; got "
                        f"{anchor.shape} and {depth_logits.shape}")
+  if depth_tokens is not None and (depth_tokens.shape[:2] != depth_logits.shape[:2] or
+                                   depth_tokens.shape[2] < (1 if method == "chain" else width)):
+    raise JetSpecError(f"depth_tokens {depth_tokens.shape} does not fit depth_logits {depth_logits.shape} "
+                       f"and width {width}")
   if method == "chain":
-    return _chain(anchor, depth_logits)
+    return _chain(anchor, depth_logits, depth_tokens)
   tree_size(method, budget, depth_logits.shape[1])
   vocab = depth_logits.shape[2]
   if not 1 <= width <= vocab:
@@ -176,6 +193,8 @@ def build_tree(anchor: jax.Array, depth_logits: jax.Array, *, method: str, budge
   # a full-vocabulary sort (about 70x slower on CPU at V = 32k).
   top_lp, top_tok = jax.lax.optimization_barrier(jax.lax.top_k(log_probs, width))  # [B, D, W]
   caps = _fanout_caps(top_lp, method, width, top2gap_beta, top2gap_g0)    # [B, D]
+  if depth_tokens is not None:
+    top_tok = depth_tokens[:, :, :width]
   tokens, parents, depths, valid, ancestors = jax.vmap(
       lambda a, t, lp, c: _heap_tree(a, t, lp, c, budget))(
           anchor.astype(jnp.int32), top_tok.astype(jnp.int32), top_lp, caps)

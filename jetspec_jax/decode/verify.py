@@ -1,14 +1,69 @@
-"""Tree verification: one target forward over all tree nodes, greedy acceptance, KV compaction.
+"""Tree verification: one target forward over all tree nodes, acceptance, KV compaction.
 
 Node i sits at RoPE position prefix_len + depth[i], its K/V at cache row prefix_len + i (scratch),
 and attends to the committed prefix plus its ancestors (itself included).
+
+Acceptance rules
+----------------
+greedy (temperature 0, ``greedy_accept``): node i matches when token[i] is the target's argmax
+after its parent; commit the deepest fully matching path plus the argmax at its end.
+
+At temperature > 0 (``sample_accept``) p is the target's processed distribution at a node
+(temperature / top-k / top-p, ``sampling.process_logits``) and q_d the draft's processed
+distribution for depth d. Both rules walk down from the root, one depth per step (a
+``fori_loop`` over D + 1 steps, vmapped over the batch, float32 probabilities):
+
+``match`` (the reference behaviour): the tree is the deterministic top-W tree of q. At the
+  current node draw ONE token t ~ p; descend to the child whose token is t if there is one,
+  otherwise commit t as the correction. This is the same as drawing one token at every node
+  and committing the deepest path whose every token equals the draw at its parent (the draws
+  at nodes off the walked path are never used), which is lossless because every committed
+  token is a draw from p given the tokens before it. A node is accepted with probability
+  equal to the p-mass of its children's tokens.
+
+``rejection`` (recursive rejection sampling without replacement, Jeon et al. 2024): the
+  children of the current node, c_1..c_k in rank order, are the first k draws of a
+  Gumbel-top-k sample of q_{d+1} (distinct, in sampled order). With the current residual p:
+  accept c_j with probability min(1, p(c_j) / q_j(c_j)); on rejection
+  p <- normalize(max(p - q_j, 0)) and q_{j+1} = q_j with c_j removed, renormalised. After k
+  rejections (or at a node without children: k = 0) the correction is drawn from the final
+  residual p; on acceptance the walk descends to that child with the next depth's q. A chain
+  (k = 1) is the classic min(1, p/q) rule.
+
+Why ``rejection`` is lossless (every committed token has exactly the target's distribution
+given the committed tokens before it):
+
+  * One step of RRS at a node with k candidates drawn without replacement from q outputs a
+    token distributed exactly as p, for any FIXED k: step j sees c_j ~ q_j given c_1..c_{j-1}
+    (sampling without replacement), so it is a rejection step of q_j against the residual
+    p_j, and accept-or-recurse yields p_j at every level; on rejection p_{j+1}(c_j) = 0
+    (rejection needs p_j(c_j) < q_j(c_j)), so removing c_j from q loses nothing.
+  * k must not depend on the identities of the candidates being tested (otherwise the number
+    of trials is not a stopping time and the output is biased). The tree SHAPE (parents,
+    depths, child ranks) is built by the usual best-first search from q's deterministic
+    sorted top-W log-probs (``tree.build_tree(..., depth_tokens=...)``); only the token at
+    child rank r of depth d is replaced by the r-th Gumbel-top-k draw of q_d. So a node's
+    child count is a function of q and of its rank path only, never of the sampled tokens.
+  * Every parent at depth d - 1 gets the same candidate list (q_d does not depend on the
+    parent: the head drafts all depths in one pass), and one root-to-leaf walk uses each
+    depth's list at most once. The depth-d noise is independent of everything drawn at
+    depths < d, so at the node reached at depth d - 1 (whatever its rank path, hence its k)
+    the candidates are a fresh without-replacement sample of q_d: the step outputs p exactly.
+    By induction over depths (and rounds), committed tokens follow the target.
+  * Candidates past the support of q (j >= number of tokens with q > 0, possible with top-k /
+    top-p or draft logits of -inf) are skipped; the support size is a function of q only.
+  * Guard: if a residual has zero mass (p <= q everywhere, i.e. p == q up to rounding, where
+    rejection has probability zero), p is kept.
 """
 from __future__ import annotations
+
+import functools
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 
+from jetspec_jax.decode import sampling
 from jetspec_jax.decode.tree import Tree
 from jetspec_jax.models import qwen3
 from jetspec_jax.models.layers import write_rows
@@ -51,6 +106,81 @@ def greedy_accept(tree: Tree, target_next: jax.Array, max_depth: int) -> Accepta
   path = jnp.where(jnp.any(on_path, axis=-1), jnp.argmax(on_path, axis=-1), best[:, None])
   correction = jnp.take_along_axis(target_next, best[:, None], axis=1)[:, 0]
   return Acceptance(path=path.astype(jnp.int32), depth=depth, correction=correction)
+
+
+def _walk_one(tokens, parents, valid, logits, draft_logp, key, *, rule, max_depth, width, temperature, top_k,
+              top_p):
+  """The acceptance walk of one sequence (see the module docstring).
+
+  tokens / parents / valid [N]; logits [N, V] raw target logits; draft_logp [D, V] processed draft
+  log-probs (rejection only); key: the round key. Returns (path [D+1], depth [], correction [])."""
+  n = tokens.shape[0]
+  idx = jnp.arange(n, dtype=jnp.int32)
+  num_draft_depths = draft_logp.shape[0]
+  key = jax.random.fold_in(key, sampling.ACCEPT_TAG)
+
+  def step(d, carry):
+    node, done, path, depth, corr = carry
+    dkey = jax.random.fold_in(key, d)
+    p = jnp.exp(sampling.process_logits(logits[node], temperature, top_k, top_p))     # [V]
+    kids_mask = valid & (parents == node) & (idx > 0)
+    if rule == "match":
+      t = jax.random.categorical(jax.random.fold_in(dkey, 0), jnp.log(p)).astype(jnp.int32)
+      hit = kids_mask & (tokens == t)
+      accepted, child, new_corr = jnp.any(hit), jnp.argmax(hit).astype(jnp.int32), t
+    else:
+      kids = jnp.nonzero(kids_mask, size=width, fill_value=0)[0].astype(jnp.int32)  # rank (= index) order
+      k = jnp.sum(kids_mask)
+      q = jnp.exp(draft_logp[jnp.minimum(d, num_draft_depths - 1)])
+
+      def sibling(j, c):
+        p, q, accepted, child = c
+        cj = kids[j]
+        tok = tokens[cj]
+        q_tok, p_tok = q[tok], p[tok]
+        live = (j < k) & ~accepted & (q_tok > 0)
+        u = jax.random.uniform(jax.random.fold_in(dkey, 1 + j), (), jnp.float32)
+        ok = u * q_tok < p_tok                                  # probability min(1, p / q)
+        reject = live & ~ok
+        res = jnp.maximum(p - q, 0.0)
+        res_sum = jnp.sum(res)
+        res = jnp.where(res_sum > 0, res / jnp.where(res_sum > 0, res_sum, 1.0), p)
+        q_next = q.at[tok].set(0.0)
+        q_sum = jnp.sum(q_next)
+        q_next = q_next / jnp.where(q_sum > 0, q_sum, 1.0)
+        return (jnp.where(reject, res, p), jnp.where(reject, q_next, q), accepted | (live & ok),
+                jnp.where(live & ok, cj, child))
+
+      p, _, accepted, child = jax.lax.fori_loop(0, width, sibling, (p, q, jnp.bool_(False), jnp.int32(0)))
+      new_corr = jax.random.categorical(jax.random.fold_in(dkey, 0), jnp.log(p)).astype(jnp.int32)
+    descend = ~done & accepted
+    stop = ~done & ~accepted
+    node = jnp.where(descend, child, node)
+    path = path.at[d + 1].set(node, mode="drop")
+    return node, done | stop, path, depth + descend.astype(jnp.int32), jnp.where(stop, new_corr, corr)
+
+  init = (jnp.int32(0), jnp.bool_(False), jnp.zeros((max_depth + 1,), jnp.int32), jnp.int32(0), jnp.int32(0))
+  _, _, path, depth, corr = jax.lax.fori_loop(0, max_depth + 1, step, init)
+  return path, depth, corr
+
+
+def sample_accept(tree: Tree, target_logits: jax.Array, draft_logp: jax.Array | None, round_keys: jax.Array, *,
+                  rule: str, max_depth: int, width: int, temperature: float, top_k: int = 0,
+                  top_p: float = 1.0) -> Acceptance:
+  """Acceptance at temperature > 0 by ``rule`` ("match" | "rejection"; see the module docstring).
+
+  target_logits [B, N, V] raw target logits at every node; draft_logp [B, D, V] the processed
+  draft log-probs (``sampling.process_logits`` of the draft logits; unused by "match");
+  round_keys [B] per-sequence keys of this round; max_depth D = the tree depth; width: the most
+  children a node can have (the tree width W; 1 for a chain). All but the arrays are static."""
+  if rule not in sampling.ACCEPT_RULES:
+    raise ValueError(f"unknown acceptance rule {rule!r}")
+  if draft_logp is None:
+    draft_logp = jnp.zeros(target_logits.shape[:1] + (1, target_logits.shape[2]), jnp.float32)
+  walk = functools.partial(_walk_one, rule=rule, max_depth=max_depth, width=width, temperature=temperature,
+                           top_k=top_k, top_p=top_p)
+  path, depth, corr = jax.vmap(walk)(tree.tokens, tree.parents, tree.valid, target_logits, draft_logp, round_keys)
+  return Acceptance(path=path, depth=depth, correction=corr)
 
 
 def accepted_tokens(tree: Tree, acc: Acceptance) -> tuple[jax.Array, jax.Array]:

@@ -112,7 +112,8 @@ def moe_mlp(x: jax.Array, params: dict, pre: str, cfg: Qwen3Config) -> jax.Array
 
 def forward(params: dict, cfg: Qwen3Config, tokens: jax.Array, positions: jax.Array, cache: KVCache,
             prefix_len: jax.Array, block_mask: jax.Array, *, tap_layers: tuple[int, ...] = (),
-            attn_impl: str = "xla", mesh=None, logits_rows: jax.Array | None = None):
+            attn_impl: str = "xla", mesh=None, logits_rows: jax.Array | None = None,
+            return_hidden: bool = False):
   """Run T new rows through the target.
 
   tokens, positions [B, T] int32 (positions: RoPE positions); cache: KV cache whose rows
@@ -120,6 +121,8 @@ def forward(params: dict, cfg: Qwen3Config, tokens: jax.Array, positions: jax.Ar
   (see ``jetspec_jax.attention``). ``logits_rows`` [B, R] selects which rows get logits (default
   all). Returns (logits [B, R, V] float32, new cache, taps [B, T, len(tap_layers) * H]) where
   taps are the residual outputs (before the final norm) of the chosen layers, in that order.
+  With ``return_hidden`` the first output is the final-normed hidden states [B, R, H] instead
+  (training computes vocabulary logits in chunks from them).
   """
   p = params
   x = shard(p["embed"][tokens], ("batch", "seq", "embed"), mesh)
@@ -148,8 +151,8 @@ def forward(params: dict, cfg: Qwen3Config, tokens: jax.Array, positions: jax.Ar
   tapped = jnp.concatenate([taps[i] for i in tap_layers], axis=-1) if tap_layers else None
   if logits_rows is not None:
     x = jnp.take_along_axis(x, logits_rows[..., None], axis=1)
-  logits = lm_logits(p, cfg, rms_norm(x, p["final_norm"], cfg.rms_norm_eps))
-  return logits, KVCache(k=tuple(new_k), v=tuple(new_v)), tapped
+  hidden = rms_norm(x, p["final_norm"], cfg.rms_norm_eps)
+  return hidden if return_hidden else lm_logits(p, cfg, hidden), KVCache(k=tuple(new_k), v=tuple(new_v)), tapped
 
 
 def lm_logits(params: dict, cfg: Qwen3Config, h: jax.Array) -> jax.Array:

@@ -1,0 +1,227 @@
+"""Regenerate chat responses with the target itself (the training data of BRIEF section 5).
+
+Each conversation's assistant turns (the first ``max_turns``) are replaced, in order, by the
+target's response to the chat-templated conversation so far (thinking off by default); a
+conversation that ends with a user message gets a response appended. The output directory holds
+``chunk-{start:09d}-{end:09d}.jsonl`` files of ``{"index", "messages"}`` rows (``index``: position
+in the source), each the regenerated source conversations ``[start, end)``, written to a temporary
+name and renamed when complete, plus ``regenerate.json`` (the settings). A rerun with the same
+settings skips complete chunks, so an interrupted run continues without losing or repeating rows;
+``train.data.read_jsonl(out_dir)`` reads the result.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import os
+import re
+import time
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm.auto import tqdm
+
+from jetspec_jax.decode import loop
+from jetspec_jax.errors import JetSpecError
+from jetspec_jax.models import qwen3
+from jetspec_jax.tokenizer import IM_END, PAD, load_tokenizer
+from jetspec_jax.train.data import ChatEncoder, Conversation, iter_conversations
+
+MANIFEST = "regenerate.json"
+CHUNK_RE = re.compile(r"^chunk-(\d{9})-(\d{9})\.jsonl$")
+
+
+def chunk_name(start: int, end: int) -> str:
+  return f"chunk-{start:09d}-{end:09d}.jsonl"
+
+
+def turn_positions(messages: Conversation) -> list[int]:
+  """Where responses go: each assistant message right after a user message, and the end when the
+  conversation ends with a user message."""
+  pos = [i for i in range(1, len(messages))
+         if messages[i]["role"] == "assistant" and messages[i - 1]["role"] == "user"]
+  return pos + ([len(messages)] if messages and messages[-1]["role"] == "user" else [])
+
+
+def prompt_bucket(length: int) -> int:
+  """Padded prompt width: the next power of two (>= 16), so few shapes are ever compiled."""
+  return max(16, 1 << (length - 1).bit_length())
+
+
+def generate_batches(params, cfg, prompts: Sequence[Sequence[int]], *, batch_size: int, max_new_tokens: int,
+                     eos_ids: tuple[int, ...], temperature: float, key: jax.Array, mesh=None,
+                     on_batch=lambda tokens: None) -> list[list[int]]:
+  """Generated ids (EOS included when hit) for each prompt, as ``loop.generate_ar`` would give.
+
+  Prompts are sorted by length and run ``batch_size`` at a time through ``loop.prefill`` and
+  ``loop.ar_decode``; each batch is right-padded to ``prompt_bucket`` width and filled to
+  ``batch_size`` rows with copies of its last prompt, so only a few shapes compile. Extra padding
+  does not change a row (the loop already serves ragged batches). Batch b samples with
+  ``fold_in(key, b)``. ``on_batch(generated_tokens)`` is called after each batch.
+  """
+  order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+  out: list[list[int]] = [[] for _ in prompts]
+  dtype = params["embed"].dtype
+  for b in range(0, len(order), batch_size):
+    rows = order[b:b + batch_size]
+    rows = rows + [rows[-1]] * (batch_size - len(rows))
+    lengths = np.array([len(prompts[i]) for i in rows], np.int32)
+    tokens = np.zeros((batch_size, prompt_bucket(int(lengths.max()))), np.int32)
+    for r, i in enumerate(rows):
+      tokens[r, :lengths[r]] = prompts[i]
+    cache = qwen3.init_cache(cfg, batch_size, tokens.shape[1] + max_new_tokens, dtype, mesh)
+    state, _ = loop.prefill(params, cache, jnp.asarray(tokens), jnp.asarray(lengths),
+                            jax.random.fold_in(key, b // batch_size), cfg=cfg, max_new_tokens=max_new_tokens,
+                            eos_ids=eos_ids, temperature=temperature, mesh=mesh)
+    state = loop.ar_decode(params, state, cfg=cfg, eos_ids=eos_ids, temperature=temperature, mesh=mesh)
+    generated, num = jax.device_get((state.tokens, state.num_tokens))
+    for r, i in enumerate(order[b:b + batch_size]):
+      out[i] = generated[r, :num[r]].tolist()
+    on_batch(int(num[:len(order[b:b + batch_size])].sum()))
+  return out
+
+
+@dataclasses.dataclass
+class _Example:
+  index: int
+  source: Conversation
+  turns: list[int]
+  messages: Conversation = dataclasses.field(default_factory=list)   # regenerated so far
+  done_upto: int = 0    # source messages consumed
+  open: bool = True     # may take another turn
+
+
+def _resolve_target(target, mesh):
+  """(cfg, params, tokenizer) from a path or a loaded ``(cfg, params, tokenizer or tokenizer dir)``."""
+  if isinstance(target, (str, os.PathLike)):
+    from jetspec_jax.convert import load_target
+    cfg, params, side = load_target(os.fspath(target), mesh=mesh)
+    return cfg, params, load_tokenizer(side)
+  cfg, params, tokenizer = target
+  return cfg, params, load_tokenizer(tokenizer) if isinstance(tokenizer, (str, os.PathLike)) else tokenizer
+
+
+def _check_manifest(out_dir: str, settings: dict) -> None:
+  path = os.path.join(out_dir, MANIFEST)
+  if os.path.isfile(path):
+    with open(path) as f:
+      stored = json.load(f)
+    for key, value in settings.items():
+      if stored.get(key) != value:
+        raise JetSpecError(f"{out_dir} was regenerated with {key}={stored.get(key)!r}, not {value!r}: "
+                           f"rerun with the same settings or use a new output directory")
+    return
+  with open(path, "w") as f:
+    json.dump(settings, f, indent=2)
+
+
+def _write_jsonl(path: str, rows: list[dict]) -> None:
+  """Write rows to a temporary file, then rename it to ``path`` (readers never see a partial file)."""
+  tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp")
+  with open(tmp, "w", encoding="utf-8") as f:
+    for row in rows:
+      f.write(json.dumps(row, ensure_ascii=False) + "\n")
+    f.flush()
+    os.fsync(f.fileno())
+  os.replace(tmp, path)
+
+
+def regenerate(target, source: str, out_dir: str, *, max_new_tokens: int = 1024, batch_size: int = 32,
+               temperature: float = 0.0, seed: int = 0, limit: int | None = None, chunk_size: int = 1024,
+               max_turns: int = 1, enable_thinking: bool = False, max_prompt_tokens: int | None = None,
+               mesh=None, progress: bool = True) -> dict:
+  """Replace the responses of ``source`` (see ``data.iter_conversations``) by the target's own.
+
+  ``target``: a target path (HF directory or converted checkpoint, tokenizer beside it) or a loaded
+  ``(cfg, params, tokenizer)``. Up to ``limit`` source conversations are processed, ``chunk_size``
+  per output file; prompts longer than ``max_prompt_tokens`` end a conversation (before its first
+  turn: it is skipped), and so does a response cut at ``max_new_tokens``. Returns a summary of this
+  run: examples written, skipped, truncated responses, chunks written / reused, tokens generated,
+  seconds.
+  """
+  if min(max_new_tokens, batch_size, chunk_size, max_turns) <= 0:
+    raise JetSpecError("max_new_tokens, batch_size, chunk_size and max_turns must be positive")
+  t0 = time.perf_counter()
+  cfg, params, tokenizer = _resolve_target(target, mesh)
+  if len(tokenizer) > cfg.vocab_size:
+    raise JetSpecError(f"the tokenizer has {len(tokenizer)} tokens, more than the target's vocab_size {cfg.vocab_size}")
+  encoder = ChatEncoder(tokenizer, enable_thinking)
+  vocab = tokenizer.get_vocab()
+  eos_ids = tuple(sorted(set(cfg.eos_token_ids) | {vocab[t] for t in (IM_END, PAD) if t in vocab}))
+  settings = {"source": source, "chunk_size": chunk_size, "max_new_tokens": max_new_tokens,
+              "temperature": float(temperature), "seed": seed, "max_turns": max_turns,
+              "enable_thinking": enable_thinking, "max_prompt_tokens": max_prompt_tokens}
+  if limit is not None and limit <= 0:
+    raise JetSpecError(f"limit={limit} must be positive")
+  conversations = itertools.islice(iter_conversations(source), limit)
+  first = next(conversations, None)
+  if first is None:
+    raise JetSpecError(f"source {source} holds no conversations")
+  conversations = itertools.chain([first], conversations)
+  os.makedirs(out_dir, exist_ok=True)
+  _check_manifest(out_dir, settings)
+  existing = {int(m[1]): (int(m[2]), name) for name in os.listdir(out_dir) if (m := CHUNK_RE.match(name))}
+
+  summary = dict.fromkeys(("examples", "skipped", "truncated", "chunks_written", "chunks_reused", "tokens"), 0)
+  bar = tqdm(total=limit, unit="conv", desc="regenerate", disable=not progress)
+
+  def count(tokens: int) -> None:
+    summary["tokens"] += tokens
+    bar.set_postfix(tokens=summary["tokens"], refresh=False)
+
+  for k, chunk in enumerate(iter(lambda: list(itertools.islice(conversations, chunk_size)), [])):
+    start, end = k * chunk_size, k * chunk_size + len(chunk)
+    old_end, old_name = existing.get(start, (None, None))
+    if old_end is not None and old_end >= end:
+      summary["chunks_reused"] += 1
+      bar.update(len(chunk))
+      continue
+    if old_name:   # a shorter chunk from a run with a smaller limit: redo it
+      os.remove(os.path.join(out_dir, old_name))
+    rows = _regenerate_chunk(params, cfg, encoder, chunk, start, summary, count, batch_size=batch_size,
+                             max_new_tokens=max_new_tokens, eos_ids=eos_ids, temperature=float(temperature),
+                             key=jax.random.fold_in(jax.random.key(seed), k), max_turns=max_turns,
+                             max_prompt_tokens=max_prompt_tokens, mesh=mesh)
+    _write_jsonl(os.path.join(out_dir, chunk_name(start, end)), rows)
+    summary["examples"] += len(rows)
+    summary["chunks_written"] += 1
+    bar.update(len(chunk))
+  bar.close()
+  return {**summary, "out_dir": os.path.abspath(out_dir), "seconds": time.perf_counter() - t0}
+
+
+def _regenerate_chunk(params, cfg, encoder: ChatEncoder, chunk: list[Conversation], start: int, summary: dict,
+                      count, *, batch_size, max_new_tokens, eos_ids, temperature, key, max_turns,
+                      max_prompt_tokens, mesh) -> list[dict]:
+  """Rows ``{"index", "messages"}`` for ``chunk`` (source positions ``start, start + 1, ...``); turn t
+  samples with ``fold_in(key, t)``."""
+  examples = [_Example(start + j, c, turn_positions(c)[:max_turns]) for j, c in enumerate(chunk)]
+  for t in range(max_turns):
+    jobs = []
+    for ex in examples:
+      if not ex.open or len(ex.turns) <= t:
+        continue
+      context = ex.messages + ex.source[ex.done_upto:ex.turns[t]]
+      ids = encoder.prompt_ids(context)
+      if max_prompt_tokens is not None and len(ids) > max_prompt_tokens:
+        ex.open = False
+        continue
+      jobs.append((ex, context, ids))
+    if not jobs:
+      break
+    outputs = generate_batches(params, cfg, [ids for _, _, ids in jobs], batch_size=batch_size,
+                               max_new_tokens=max_new_tokens, eos_ids=eos_ids, temperature=temperature,
+                               key=jax.random.fold_in(key, t), mesh=mesh, on_batch=count)
+    for (ex, context, _), ids in zip(jobs, outputs):
+      finished = bool(ids) and ids[-1] in eos_ids
+      text = encoder.tokenizer.decode(ids[:-1] if finished else ids, skip_special_tokens=False)
+      ex.messages = context + [{"role": "assistant", "content": text}]
+      ex.done_upto = ex.turns[t] + 1
+      ex.open = finished
+      summary["truncated"] += int(not finished)
+  rows = [{"index": ex.index, "messages": ex.messages} for ex in examples if ex.messages]
+  summary["skipped"] += len(examples) - len(rows)
+  return rows

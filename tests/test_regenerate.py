@@ -1,0 +1,138 @@
+"""Regenerating responses with a tiny random target: exactly-once chunks across interruptions, and
+responses equal to the target's own greedy generation."""
+import glob
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+
+from jetspec_jax import tokenizer as tok_lib
+from jetspec_jax.config import Qwen3Config
+from jetspec_jax.decode import loop
+from jetspec_jax.errors import JetSpecError
+from jetspec_jax.models import qwen3
+from jetspec_jax.train import data, regenerate as regen
+
+MAX_NEW = 6
+WORDS = "the cat dog sat on a mat and ran to why how is you we answer 1 2 3 , . ?".split()
+
+
+def sentence(rng) -> str:
+  return " ".join(rng.choice(WORDS, size=rng.integers(2, 9)))
+
+
+def source_conversations() -> list[list[dict]]:
+  """10 conversations: single turns, two-turn ones (0, 4, 8), a prompt-only one (5), one with no
+  user message before its assistant message (7: skipped), one with a system message (2)."""
+  rng = np.random.default_rng(0)
+  out = []
+  for i in range(10):
+    msgs = [{"role": "user", "content": f"{i} {sentence(rng)}"}, {"role": "assistant", "content": sentence(rng)}]
+    if i % 4 == 0:
+      msgs += [{"role": "user", "content": sentence(rng)}, {"role": "assistant", "content": sentence(rng)}]
+    out.append(msgs)
+  out[2].insert(0, {"role": "system", "content": "be brief"})
+  out[5] = out[5][:1]
+  out[7] = [{"role": "assistant", "content": "hello"}]
+  return out
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+  rng = np.random.default_rng(1)
+  d = tok_lib.train_chat_tokenizer([sentence(rng) for _ in range(300)], 400, str(tmp_path_factory.mktemp("tok")))
+  return tok_lib.load_tokenizer(d)
+
+
+@pytest.fixture(scope="module")
+def target(tok):
+  """(cfg, params): a random target whose extra EOS id is a token its greedy first response to
+  conversation 0 emits third, so that turn ends early and conversation 0 gets a second turn."""
+  cfg = Qwen3Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=8, rope_theta=10_000.0)
+  params = qwen3.init_target(cfg, jax.random.key(0))
+  prompt = data.ChatEncoder(tok).prompt_ids(source_conversations()[0][:1])
+  first = loop.generate_ar(params, cfg, [prompt], max_new_tokens=MAX_NEW, eos_ids=())["token_ids"][0]
+  return Qwen3Config(**{**cfg.__dict__, "eos_token_ids": (first[2],)}), params
+
+
+def read_rows(out_dir) -> list[dict]:
+  return [json.loads(line) for f in sorted(glob.glob(os.path.join(out_dir, "*.jsonl"))) for line in open(f)]
+
+
+def test_regenerate_resumes_exactly_once_and_matches_greedy(tmp_path, tok, target, monkeypatch):
+  cfg, params = target
+  source = str(tmp_path / "src.jsonl")
+  convs = source_conversations()
+  with open(source, "w") as f:
+    f.writelines(json.dumps({"messages": c}) + "\n" for c in convs)
+  out = str(tmp_path / "regen")
+  kw = dict(max_new_tokens=MAX_NEW, batch_size=3, chunk_size=4, max_turns=2, progress=False)
+
+  first = regen.regenerate((cfg, params, tok), source, out, limit=5, **kw)
+  assert sorted(os.listdir(out)) == ["chunk-000000000-000000004.jsonl", "chunk-000000004-000000005.jsonl",
+                                     "regenerate.json"]
+  assert first["examples"] == 5 and first["chunks_written"] == 2
+
+  # Second run: crash after its first new chunk ([4, 8), which replaces the short [4, 5)).
+  real_write = regen._write_jsonl
+
+  def write_once(path, rows):
+    real_write(path, rows)
+    monkeypatch.setattr(regen, "_write_jsonl", lambda *a: (_ for _ in ()).throw(KeyboardInterrupt))
+
+  monkeypatch.setattr(regen, "_write_jsonl", write_once)
+  with pytest.raises(KeyboardInterrupt):
+    regen.regenerate((cfg, params, tok), source, out, **kw)
+  assert sorted(f for f in os.listdir(out) if f.endswith(".jsonl")) == [
+      "chunk-000000000-000000004.jsonl", "chunk-000000004-000000008.jsonl"]
+  monkeypatch.setattr(regen, "_write_jsonl", real_write)
+
+  last = regen.regenerate((cfg, params, tok), source, out, **kw)
+  assert last["chunks_reused"] == 2 and last["chunks_written"] == 1 and last["examples"] == 2
+  assert not [f for f in os.listdir(out) if f.startswith(".")]
+
+  rows = read_rows(out)
+  assert [r["index"] for r in rows] == [0, 1, 2, 3, 4, 5, 6, 8, 9]   # each once; 7 has no user prompt
+  enc = data.ChatEncoder(tok)
+  eos = tuple(sorted({*cfg.eos_token_ids, tok.eos_token_id, tok.pad_token_id}))
+  prompts, contents = [], []
+  for r in rows:
+    src, msgs = convs[r["index"]], r["messages"]
+    assert [m["role"] for m in msgs[:-1]] == [m["role"] for m in src[:len(msgs) - 1]]
+    assert [m["content"] for m in msgs if m["role"] != "assistant"] == [
+        m["content"] for m in src[:len(msgs)] if m["role"] != "assistant"]
+    for i, m in enumerate(msgs):
+      if m["role"] == "assistant":
+        prompts.append(enc.prompt_ids(msgs[:i]))
+        contents.append(m["content"])
+  reference = loop.generate_ar(params, cfg, prompts, max_new_tokens=MAX_NEW, eos_ids=eos)["token_ids"]
+  for ids, content in zip(reference, contents):
+    assert content == tok.decode(ids[:-1] if ids[-1] in eos else ids)
+  # A second turn follows only a response that ended with EOS; conversation 0 has one.
+  assert len(read_rows(out)[0]["messages"]) == 4
+  assert any(len(ids) == MAX_NEW and ids[-1] not in eos for ids in reference)
+
+  # The output is a dataset the data module reads.
+  prepared = data.prepare_dataset(out, tok, str(tmp_path / "tfds"), seq_len=128)
+  assert len(prepared) == len(rows)
+
+
+def test_regenerate_checks_its_inputs(tmp_path, tok, target):
+  cfg, params = target
+  source = tmp_path / "src.jsonl"
+  source.write_text(json.dumps({"messages": [{"role": "user", "content": "the cat"}]}) + "\n")
+  out = str(tmp_path / "regen")
+  summary = regen.regenerate((cfg, params, tok), str(source), out, max_new_tokens=2, batch_size=2, progress=False)
+  assert summary["examples"] == 1 and 1 <= summary["tokens"] <= 2
+  with pytest.raises(JetSpecError, match="max_new_tokens=2, not 3"):
+    regen.regenerate((cfg, params, tok), str(source), out, max_new_tokens=3, batch_size=2, progress=False)
+  empty = tmp_path / "empty.jsonl"
+  empty.write_text("")
+  with pytest.raises(JetSpecError, match="no conversations"):
+    regen.regenerate((cfg, params, tok), str(empty), str(tmp_path / "e"), progress=False)
+  small = Qwen3Config(**{**cfg.__dict__, "vocab_size": len(tok) - 1})
+  with pytest.raises(JetSpecError, match="vocab_size"):
+    regen.regenerate((small, params, tok), str(source), str(tmp_path / "s"), progress=False)
