@@ -100,11 +100,13 @@ def _iter_nodelist(nodelist: str) -> Iterator[str]:
   text = nodelist.strip()
   if not text:
     raise JetSpecError("SLURM node list is empty")
+  parsed = []  # the whole list is checked before the first name is returned
   for part in _split_top_level(text, text):
-    if not part:
+    if not part.strip():
       raise JetSpecError(f"SLURM node list {text!r} has an empty entry")
-    pieces = re.split(r"(\[[^\]]*\])", part)
-    choices = [_expand_range_set(p[1:-1], text) if p.startswith("[") else [p] for p in pieces if p]
+    pieces = re.split(r"(\[[^\]]*\])", part.strip())
+    parsed.append([_expand_range_set(p[1:-1], text) if p.startswith("[") else [p] for p in pieces if p])
+  for choices in parsed:
     for combo in itertools.product(*choices):
       yield "".join(combo)
 
@@ -240,10 +242,12 @@ def resolve(coordinator_address: str | None = None, num_processes: int | None = 
 
   source = next((s for s in SOURCES if s in used), "single")
   n, pid, coord = chosen["num_processes"], chosen["process_id"], chosen["coordinator"]
+  if local_device_ids is None:
+    local_device_ids = env.get(ENV_LOCAL_DEVICE_IDS) or None
   if n is None and pid is None and coord is None:
     return DistributedInfo(0, 1, None, "single", _parse_device_ids(local_device_ids))
   if n is None:
-    if pid is not None and pid != 0 or coord is not None:
+    if (pid is not None and pid != 0) or coord is not None:
       raise JetSpecError(f"the number of processes is missing (argument num_processes or ${ENV_NUM_PROCESSES}) "
                          f"while a process id or coordinator is given")
     n = 1
@@ -254,8 +258,6 @@ def resolve(coordinator_address: str | None = None, num_processes: int | None = 
   if isinstance(coord, str):
     coord = coord.strip() or None
   validate(n, pid, coord)
-  if local_device_ids is None:
-    local_device_ids = env.get(ENV_LOCAL_DEVICE_IDS) or None
   return DistributedInfo(pid, n, coord, source, _parse_device_ids(local_device_ids))
 
 

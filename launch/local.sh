@@ -12,8 +12,8 @@
 set -uo pipefail
 
 usage() {
-  sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//' >&2
-  exit 2
+  sed -n '2,11p' "$0" | sed 's/^# \{0,1\}//'
+  exit 0
 }
 
 die() {
@@ -41,7 +41,7 @@ while [[ $# -gt 0 ]]; do
   esac
 done
 [[ $# -gt 0 ]] || die "no command given; usage: launch/local.sh [-n N] [--cpu-devices D] -- CMD [ARGS...]"
-is_uint "$num" && [[ "$((10#$num))" -ge 1 ]] || die "-n must be a positive integer, got '$num'"
+{ is_uint "$num" && [[ "$((10#$num))" -ge 1 ]]; } || die "-n must be a positive integer, got '$num'"
 [[ -z "$cpu_devices" ]] || { is_uint "$cpu_devices" && [[ "$((10#$cpu_devices))" -ge 1 ]]; } \
   || die "--cpu-devices must be a positive integer, got '$cpu_devices'"
 [[ -z "$gpus_per_proc" ]] || { is_uint "$gpus_per_proc" && [[ "$((10#$gpus_per_proc))" -ge 1 ]]; } \
@@ -52,7 +52,7 @@ if [[ -z "$port" ]]; then
     2>/dev/null || python -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])' \
     2>/dev/null || echo 12355)"
 fi
-is_uint "$port" && [[ "$((10#$port))" -ge 1 && "$((10#$port))" -le 65535 ]] || die "--port must be in 1..65535, got '$port'"
+{ is_uint "$port" && [[ "$((10#$port))" -ge 1 && "$((10#$port))" -le 65535 ]]; } || die "--port must be in 1..65535, got '$port'"
 num="$((10#$num))" port="$((10#$port))"
 [[ -z "$cpu_devices" ]] || cpu_devices="$((10#$cpu_devices))"
 [[ -z "$gpus_per_proc" ]] || gpus_per_proc="$((10#$gpus_per_proc))"
@@ -85,6 +85,7 @@ stop_all() {
   done
 }
 
+# shellcheck disable=SC2317  # invoked by the trap below
 on_signal() {
   echo "local.sh: interrupted; stopping all processes" >&2
   stop_all
@@ -124,7 +125,7 @@ while [[ "$remaining" -gt 0 ]]; do
     kill -0 "${pids[$i]}" 2>/dev/null && continue
     wait "${pids[$i]}"
     rc=$?
-    alive[$i]=0
+    alive[i]=0
     remaining=$((remaining - 1))
     if [[ "$rc" -ne 0 && "$status" -eq 0 ]]; then
       status="$rc"

@@ -157,6 +157,15 @@ def test_initialize_single_process_is_a_noop(monkeypatch):
     dist.initialize(cpu_collectives="nccl")
 
 
+def test_initialize_after_jax_started_is_a_clear_error(monkeypatch):
+  import jax
+  jax.devices()  # the backend is up, so jax.distributed can no longer start (and nothing can hang)
+  monkeypatch.setitem(dist._STATE, "info", None)
+  with pytest.raises(JetSpecError, match="must run before any JAX computation"):
+    dist.initialize("127.0.0.1:1", 2, 1, initialization_timeout=1)
+  assert dist.info() is None
+
+
 # ------------------------------------------------------------------ real multi-process runs
 
 _TIMEOUT_S = 50

@@ -4,7 +4,7 @@ import glob
 import json
 import os
 
-import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -52,7 +52,10 @@ def target(tok):
   conversation 0 emits third, so that turn ends early and conversation 0 gets a second turn."""
   cfg = Qwen3Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                     num_attention_heads=4, num_key_value_heads=2, head_dim=8, rope_theta=10_000.0)
-  params = qwen3.init_target(cfg, jax.random.key(0))
+  rng = np.random.default_rng(0)   # std 0.3 (not init_target's 0.02) so greedy text is not one repeated token
+  params = {name: jnp.asarray(1.0 + 0.2 * rng.standard_normal(spec.shape) if spec.init == "ones"
+                              else 0.3 * rng.standard_normal(spec.shape), jnp.float32)
+            for name, spec in qwen3.param_specs(cfg).items()}
   prompt = data.ChatEncoder(tok).prompt_ids(source_conversations()[0][:1])
   first = loop.generate_ar(params, cfg, [prompt], max_new_tokens=MAX_NEW, eos_ids=())["token_ids"][0]
   return Qwen3Config(**{**cfg.__dict__, "eos_token_ids": (first[2],)}), params
@@ -125,10 +128,11 @@ def test_regenerate_checks_its_inputs(tmp_path, tok, target):
   source = tmp_path / "src.jsonl"
   source.write_text(json.dumps({"messages": [{"role": "user", "content": "the cat"}]}) + "\n")
   out = str(tmp_path / "regen")
-  summary = regen.regenerate((cfg, params, tok), str(source), out, max_new_tokens=2, batch_size=2, progress=False)
-  assert summary["examples"] == 1 and 1 <= summary["tokens"] <= 2
-  with pytest.raises(JetSpecError, match="max_new_tokens=2, not 3"):
-    regen.regenerate((cfg, params, tok), str(source), out, max_new_tokens=3, batch_size=2, progress=False)
+  kw = dict(max_new_tokens=MAX_NEW, batch_size=3, progress=False)   # the shapes the test above compiled
+  summary = regen.regenerate((cfg, params, tok), str(source), out, **kw)
+  assert summary["examples"] == 1 and 1 <= summary["tokens"] <= MAX_NEW
+  with pytest.raises(JetSpecError, match="max_turns=1, not 2"):
+    regen.regenerate((cfg, params, tok), str(source), out, **kw, max_turns=2)
   empty = tmp_path / "empty.jsonl"
   empty.write_text("")
   with pytest.raises(JetSpecError, match="no conversations"):
@@ -136,3 +140,18 @@ def test_regenerate_checks_its_inputs(tmp_path, tok, target):
   small = Qwen3Config(**{**cfg.__dict__, "vocab_size": len(tok) - 1})
   with pytest.raises(JetSpecError, match="vocab_size"):
     regen.regenerate((small, params, tok), str(source), str(tmp_path / "s"), progress=False)
+
+
+def test_regenerate_from_a_target_directory(tmp_path, tok):
+  """A Hugging Face directory with the tokenizer saved beside the weights (the real-use layout)."""
+  import hf_fixtures
+  model_dir = str(tmp_path / "target")
+  hf_fixtures.save_model(hf_fixtures.build_model(hf_fixtures.hf_config("dense_tied", vocab_size=len(tok))), model_dir)
+  tok.save_pretrained(model_dir)
+  source = tmp_path / "src.jsonl"
+  source.write_text("".join(json.dumps({"messages": c}) + "\n" for c in source_conversations()[:2]))
+  summary = regen.regenerate(model_dir, str(source), str(tmp_path / "regen"), max_new_tokens=MAX_NEW, batch_size=3,
+                             progress=False)
+  rows = read_rows(tmp_path / "regen")
+  assert summary["examples"] == 2 and [r["index"] for r in rows] == [0, 1]
+  assert all(r["messages"][-1]["role"] == "assistant" for r in rows)

