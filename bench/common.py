@@ -27,6 +27,10 @@ def machine_info() -> dict[str, Any]:
   info: dict[str, Any] = {"python": platform.python_version(), "platform": platform.platform(),
                           "cpu_count": os.cpu_count(), "date": datetime.date.today().isoformat()}
   try:
+    info["load_average_1_5_15min"] = [round(x, 2) for x in os.getloadavg()]   # other jobs share the CPUs
+  except OSError:
+    pass
+  try:
     with open("/proc/meminfo") as f:
       mem_kb = int(next(line for line in f if line.startswith("MemTotal")).split()[1])
     info["mem_total_gib"] = round(mem_kb / 1024 ** 2, 1)

@@ -25,17 +25,16 @@ def init_param(spec: ParamSpec, key: jax.Array, dtype) -> jax.Array:
 
 
 def init_params(specs: dict[str, ParamSpec], key: jax.Array, dtype, mesh=None) -> dict[str, jax.Array]:
-  """Initialise every declared weight, each directly in its sharding (jit with out_shardings)."""
+  """Initialise every declared weight in ONE jit whose outputs land directly in their shardings."""
   from jetspec_jax.sharding import named_sharding
   names = sorted(specs)
-  keys = dict(zip(names, jax.random.split(key, len(names))))
-  out = {}
-  for name in names:
-    spec = specs[name]
-    fn = jax.jit(lambda k, s=spec: init_param(s, k, dtype),
-                 out_shardings=named_sharding(spec.axes, spec.shape, mesh))
-    out[name] = fn(keys[name])
-  return out
+  shardings = {n: named_sharding(specs[n].axes, specs[n].shape, mesh) for n in names} if mesh is not None else None
+
+  def make(k):
+    keys = jax.random.split(k, len(names))
+    return {n: init_param(specs[n], keys[i], dtype) for i, n in enumerate(names)}
+
+  return jax.jit(make, out_shardings=shardings)(key)
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:

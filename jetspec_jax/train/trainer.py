@@ -136,11 +136,37 @@ class CheckpointStore:
 
 
 def build_mesh(mc: ml_collections.ConfigDict):
-  model = int(mc.model)
-  if model < 1 or jax.device_count() % model:
-    raise JetSpecError(f"mesh.model={model} does not divide the {jax.device_count()} devices")
-  data = jax.device_count() // model if mc.data in (-1, 0) else int(mc.data)
-  return make_mesh(data, model)
+  """(data, model) mesh: data=-1 takes every device the model axis leaves; an explicit size uses the
+  first data*model devices (which must then include every process's devices)."""
+  model, count = int(mc.model), jax.device_count()
+  if model < 1 or count % model:
+    raise JetSpecError(f"mesh.model={model} does not divide the {count} devices")
+  data = count // model if mc.data in (-1, 0) else int(mc.data)
+  if data * model > count:
+    raise JetSpecError(f"mesh {data}x{model} needs {data * model} devices but {count} are available")
+  return make_mesh(data, model, jax.devices()[:data * model])
+
+
+def prepare_rows(c: ml_collections.ConfigDict, tokenizer, out_dir: str):
+  """Tokenise the dataset once (process 0 first, the others then reuse the prepared files)."""
+  from jax.experimental import multihost_utils
+  from jetspec_jax.train import data as data_lib
+  prepare = lambda: data_lib.prepare_dataset(
+      c.data.path if c.data.source == "jsonl" else "sharegpt", tokenizer, os.path.join(out_dir, "data"),
+      seq_len=c.data.seq_len, pack=False, enable_thinking=c.data.enable_thinking, limit=c.data.limit or None)
+  if jax.process_count() == 1:
+    return prepare()
+  rows = prepare() if jax.process_index() == 0 else None
+  multihost_utils.sync_global_devices("jetspec_data_prepared")
+  return rows if rows is not None else prepare()
+
+
+def host_copy(tree):
+  """Weights as host numpy arrays on every process (gathered across processes when sharded)."""
+  if jax.process_count() == 1:
+    return jax.device_get(tree)
+  from jax.experimental import multihost_utils
+  return multihost_utils.process_allgather(tree, tiled=True)
 
 
 def build_head_config(c: ml_collections.ConfigDict, target_cfg: Qwen3Config, mask_token_id: int | None) -> DraftConfig:
@@ -155,9 +181,12 @@ def build_head_config(c: ml_collections.ConfigDict, target_cfg: Qwen3Config, mas
 def init_state(head_cfg: DraftConfig, tx, seed: int, mesh) -> TrainState:
   """Fresh float32 head weights (each in its sharding), optimizer state and PRNG key."""
   params = draft_head.init_head(head_cfg, jax.random.key(seed), jnp.float32, mesh)
-  opt_state = jax.jit(tx.init)(params)
-  rng = jax.random.key_data(jax.random.key(seed + 1))
   replicated = NamedSharding(mesh, P())
+  # Optimizer moments take their weight's sharding; counters and the like are replicated.
+  opt_sharding = optax.tree_map_params(tx, lambda _, p: p.sharding, jax.eval_shape(tx.init, params), params,
+                                       transform_non_params=lambda _: replicated)
+  opt_state = jax.jit(tx.init, out_shardings=opt_sharding)(params)
+  rng = jax.random.key_data(jax.random.key(seed + 1))
   return TrainState(step=jax.device_put(jnp.zeros((), jnp.int32), replicated), params=params,
                     opt_state=opt_state, rng=jax.device_put(rng, replicated))
 
@@ -251,9 +280,7 @@ def run(c: ml_collections.ConfigDict, *, progress: bool = True, stop_after: int 
   out_dir = os.path.abspath(c.output_dir)
   os.makedirs(out_dir, exist_ok=True)
 
-  rows = data_lib.prepare_dataset(c.data.path if c.data.source == "jsonl" else "sharegpt", tokenizer,
-                                  os.path.join(out_dir, "data"), seq_len=c.data.seq_len, pack=False,
-                                  enable_thinking=c.data.enable_thinking, limit=c.data.limit or None)
+  rows = prepare_rows(c, tokenizer, out_dir)
   held_out = min(c.data.eval_examples, max(len(rows) - tc.batch_size, 0))
   prompts = eval_prompts(rows, held_out)
   train_rows = HeldOut(rows, held_out)
@@ -312,11 +339,13 @@ def run(c: ml_collections.ConfigDict, *, progress: bool = True, stop_after: int 
   summary = {"output_dir": out_dir, "step": step, "metrics": last, "head": head_cfg.to_hf_dict()}
   if step >= total:
     head_dir = os.path.join(out_dir, "head_hf")
-    export = jax.tree_util.tree_map(lambda x: x.astype(parse_dtype(c.export_dtype)), state.params)
+    export = jax.tree_util.tree_map(lambda x: np.asarray(x).astype(parse_dtype(c.export_dtype)),
+                                    host_copy(state.params))
     if jax.process_index() == 0:
       convert.save_head(head_dir, head_cfg, export, overwrite=True)
     summary["head_dir"] = head_dir
   store.close()
-  with open(os.path.join(out_dir, "summary.json"), "w") as f:
-    json.dump(summary, f, indent=2, default=str)
+  if jax.process_index() == 0:
+    with open(os.path.join(out_dir, "summary.json"), "w") as f:
+      json.dump(summary, f, indent=2, default=str)
   return summary
