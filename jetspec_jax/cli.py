@@ -153,6 +153,37 @@ def cmd_regenerate(args) -> dict:
   return res
 
 
+def cmd_bench(args) -> dict:
+  from jetspec_jax import bench
+  from jetspec_jax.attention import resolve_implementation
+  from jetspec_jax.convert import load_head, load_target
+  mesh = _mesh(args)
+  cfg, params, side = load_target(args.target, _dtype(args.dtype), mesh)
+  head_cfg, head_params = load_head(args.head, _dtype(args.dtype), mesh, target_cfg=cfg)
+  tokenizer = _load_tokenizer(side)
+  budgets = _parse_ids(args.budgets)
+  say = (lambda *a: None) if args.json else (lambda m: print(f"  {m}", file=sys.stderr, flush=True))
+  results = {}
+  for bank in args.bank:
+    say(f"bank {bank}")
+    prompts = bench.prompt_bank(bank, tokenizer, num_prompts=args.num_prompts, prompt_len=args.prompt_len)
+    results[os.path.basename(bank)] = bench.run(
+        params, cfg, head_params, head_cfg, prompts, max_new_tokens=args.max_new_tokens, budgets=budgets,
+        width=args.width, depth=args.depth, batch_size=args.batch_size, repeats=args.repeats,
+        eos_ids=None if args.stop_at_eos else (), attn_impl=resolve_implementation(args.attention),
+        hf_dir=side if args.transformers and not os.path.isdir(os.path.join(side, "params")) else None,
+        progress=say)
+  res = {"target": os.path.abspath(args.target), "head": os.path.abspath(args.head), "banks": results}
+  os.makedirs(args.out, exist_ok=True)
+  with open(os.path.join(args.out, "bench.json"), "w") as f:
+    json.dump(res, f, indent=2)
+  for name, r in results.items():
+    res.setdefault("plots", {})[name] = bench.plots(r, os.path.join(args.out, name))
+  _emit(args, res, "\n\n".join(f"[{name}]\n{bench.table(r)}" for name, r in results.items())
+        + f"\n\nJSON and plots in {os.path.abspath(args.out)}")
+  return res
+
+
 def cmd_demo(args) -> dict:
   from jetspec_jax import demo
   res = demo.run(workdir=args.workdir, quiet=args.json)
@@ -222,6 +253,27 @@ def build_parser() -> argparse.ArgumentParser:
   common(r)
   r.set_defaults(fn=cmd_regenerate)
 
+  b = sub.add_parser("bench", help="AR vs chain vs tree (budget sweep) on prompt banks, in one run")
+  b.add_argument("--target", required=True)
+  b.add_argument("--head", required=True)
+  b.add_argument("--bank", action="append", default=None,
+                 help="humaneval | sharegpt | a JSONL of prompts (repeatable; default humaneval and sharegpt)")
+  b.add_argument("--num-prompts", type=int, default=8)
+  b.add_argument("--prompt-len", type=int, default=64, help="prompts are left-truncated to this many tokens")
+  b.add_argument("--max-new-tokens", type=int, default=64)
+  b.add_argument("--budgets", default="16,32,64")
+  b.add_argument("--width", type=int, default=7)
+  b.add_argument("--depth", type=int, default=None)
+  b.add_argument("--batch-size", type=int, default=1)
+  b.add_argument("--repeats", type=int, default=3)
+  b.add_argument("--stop-at-eos", action="store_true", help="stop at EOS (default: always max-new-tokens)")
+  b.add_argument("--transformers", action="store_true", help="also time transformers greedy generate (HF dir)")
+  b.add_argument("--dtype", default="float32")
+  b.add_argument("--attention", default="auto")
+  b.add_argument("--out", default="bench_out")
+  common(b)
+  b.set_defaults(fn=cmd_bench)
+
   d = sub.add_parser("demo", help="the embedded default pipeline on a small model")
   d.add_argument("--workdir", default=None, help="where artifacts go (default: $JETSPEC_CACHE or ~/.cache/jetspec-jax)")
   common(d, mesh=False)
@@ -236,6 +288,8 @@ def main(argv=None) -> int:
   if len(overrides) != len(extra) or (overrides and args.command != "train"):
     parser.error(f"unrecognized arguments: {' '.join(a for a in extra if a not in overrides) or ' '.join(extra)}")
   args.overrides = overrides
+  if args.command == "bench" and not args.bank:
+    args.bank = ["humaneval", "sharegpt"]
   try:
     result = args.fn(args)
   except JetSpecError as e:

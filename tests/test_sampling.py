@@ -168,14 +168,15 @@ def run_spec(tree_cfg, variants, *, batch, max_new, temperature, top_k=0, top_p=
   dcache = draft_head.init_context_cache(hcfg, batch, draft_len, jnp.float32)
   base, taps = prefill(params, cache, jnp.asarray(tokens), jnp.asarray(lengths), jax.random.key(seed), cfg=CFG,
                        max_new_tokens=max_new, eos_ids=(), temperature=temperature,
-                       tap_layers=hcfg.target_layer_ids, top_k=top_k, top_p=top_p)
+                       attn_impl="xla", tap_layers=hcfg.target_layer_ids, mesh=None, top_k=top_k, top_p=top_p)
   if first_round_only:
     base = base.replace(num_tokens=jnp.full_like(base.num_tokens, max_new - 1))
   dcache = speculative.prefill_context(hparams, dcache, taps, cfg=CFG, head_cfg=hcfg)
   state = SpecState(base=base, draft_cache=dcache, rounds=jnp.zeros((batch,), jnp.int32),
                     depth_hist=jnp.zeros((batch, tree_cfg.depth + 1), jnp.int32))
+  # Keyword arguments as generate_speculative passes them (the same jit cache entries).
   state = speculative.spec_decode(params, hparams, state, cfg=CFG, head_cfg=hcfg, tree_cfg=tree_cfg, eos_ids=(),
-                                  drafter=drafter_for(variants, temperature, top_k, top_p),
+                                  attn_impl="xla", mesh=None, drafter=drafter_for(variants, temperature, top_k, top_p),
                                   temperature=temperature, top_k=top_k, top_p=top_p, accept=accept)
   out, hist, num = jax.device_get((state.base.tokens, state.depth_hist, state.base.num_tokens))
   assert np.all(num == max_new)

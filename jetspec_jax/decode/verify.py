@@ -110,37 +110,44 @@ def greedy_accept(tree: Tree, target_next: jax.Array, max_depth: int) -> Accepta
 
 def _walk_one(tokens, parents, valid, logits, draft_logp, key, *, rule, max_depth, width, temperature, top_k,
               top_p):
-  """The acceptance walk of one sequence (see the module docstring).
+  """The acceptance walk of one sequence (see the module docstring); vmapped over the batch.
 
   tokens / parents / valid [N]; logits [N, V] raw target logits; draft_logp [D, V] processed draft
-  log-probs (rejection only); key: the round key. Returns (path [D+1], depth [], correction [])."""
+  log-probs (rejection only); key: the round key. Returns (path [D+1], depth [], correction []).
+
+  Both loops are while_loops that stop at the first rejection (depth) or acceptance (siblings), so
+  at batch 1 a round costs about tau steps instead of D + 1. Randomness: the step at depth d uses
+  dkey = fold_in(fold_in(key, ACCEPT_TAG), d): the target draw (match) or the correction (rejection,
+  drawn once after the walk from the final residual) with fold_in(dkey, 0), the uniform of sibling
+  j with fold_in(dkey, 1 + j)."""
   n = tokens.shape[0]
+  vocab = logits.shape[-1]
   idx = jnp.arange(n, dtype=jnp.int32)
   num_draft_depths = draft_logp.shape[0]
   key = jax.random.fold_in(key, sampling.ACCEPT_TAG)
 
-  def step(d, carry):
-    node, done, path, depth, corr = carry
+  def step(carry):
+    d, node, _, path, _, corr = carry
     dkey = jax.random.fold_in(key, d)
     p = jnp.exp(sampling.process_logits(logits[node], temperature, top_k, top_p))     # [V]
     kids_mask = valid & (parents == node) & (idx > 0)
     if rule == "match":
       t = jax.random.categorical(jax.random.fold_in(dkey, 0), jnp.log(p)).astype(jnp.int32)
       hit = kids_mask & (tokens == t)
-      accepted, child, new_corr = jnp.any(hit), jnp.argmax(hit).astype(jnp.int32), t
+      accepted, child, corr = jnp.any(hit), jnp.argmax(hit).astype(jnp.int32), t
     else:
       kids = jnp.nonzero(kids_mask, size=width, fill_value=0)[0].astype(jnp.int32)  # rank (= index) order
-      k = jnp.sum(kids_mask)
+      k = jnp.sum(kids_mask.astype(jnp.int32))
       q = jnp.exp(draft_logp[jnp.minimum(d, num_draft_depths - 1)])
 
-      def sibling(j, c):
-        p, q, accepted, child = c
+      def sibling(c):
+        j, p, q, _, _ = c
         cj = kids[j]
         tok = tokens[cj]
         q_tok, p_tok = q[tok], p[tok]
-        live = (j < k) & ~accepted & (q_tok > 0)
+        live = q_tok > 0                                        # past q's support: not a candidate
         u = jax.random.uniform(jax.random.fold_in(dkey, 1 + j), (), jnp.float32)
-        ok = u * q_tok < p_tok                                  # probability min(1, p / q)
+        ok = live & (u * q_tok < p_tok)                         # probability min(1, p / q)
         reject = live & ~ok
         res = jnp.maximum(p - q, 0.0)
         res_sum = jnp.sum(res)
@@ -148,20 +155,22 @@ def _walk_one(tokens, parents, valid, logits, draft_logp, key, *, rule, max_dept
         q_next = q.at[tok].set(0.0)
         q_sum = jnp.sum(q_next)
         q_next = q_next / jnp.where(q_sum > 0, q_sum, 1.0)
-        return (jnp.where(reject, res, p), jnp.where(reject, q_next, q), accepted | (live & ok),
-                jnp.where(live & ok, cj, child))
+        return j + 1, jnp.where(reject, res, p), jnp.where(reject, q_next, q), ok, cj
 
-      p, _, accepted, child = jax.lax.fori_loop(0, width, sibling, (p, q, jnp.bool_(False), jnp.int32(0)))
-      new_corr = jax.random.categorical(jax.random.fold_in(dkey, 0), jnp.log(p)).astype(jnp.int32)
-    descend = ~done & accepted
-    stop = ~done & ~accepted
-    node = jnp.where(descend, child, node)
+      _, p, _, accepted, child = jax.lax.while_loop(
+          lambda c: (c[0] < k) & ~c[3], sibling, (jnp.int32(0), p, q, jnp.bool_(False), jnp.int32(0)))
+    node = jnp.where(accepted, child, node)
     path = path.at[d + 1].set(node, mode="drop")
-    return node, done | stop, path, depth + descend.astype(jnp.int32), jnp.where(stop, new_corr, corr)
+    return d + 1, node, ~accepted, path, p, corr
 
-  init = (jnp.int32(0), jnp.bool_(False), jnp.zeros((max_depth + 1,), jnp.int32), jnp.int32(0), jnp.int32(0))
-  _, _, path, depth, corr = jax.lax.fori_loop(0, max_depth + 1, step, init)
-  return path, depth, corr
+  init = (jnp.int32(0), jnp.int32(0), jnp.bool_(False), jnp.zeros((max_depth + 1,), jnp.int32),
+          jnp.zeros((vocab,), jnp.float32), jnp.int32(0))
+  d, node, _, path, p, corr = jax.lax.while_loop(lambda c: (c[0] <= max_depth) & ~c[2], step, init)
+  depth = d - 1                                   # the walk stops at the step after the last acceptance
+  if rule == "rejection":
+    corr = jax.random.categorical(jax.random.fold_in(jax.random.fold_in(key, depth), 0), jnp.log(p))
+  path = jnp.where(jnp.arange(max_depth + 1) <= depth, path, node)
+  return path, depth, corr.astype(jnp.int32)
 
 
 def sample_accept(tree: Tree, target_logits: jax.Array, draft_logp: jax.Array | None, round_keys: jax.Array, *,
