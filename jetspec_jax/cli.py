@@ -186,7 +186,7 @@ def cmd_bench(args) -> dict:
 
 def cmd_demo(args) -> dict:
   from jetspec_jax import demo
-  res = demo.run(workdir=args.workdir, quiet=args.json)
+  res = demo.run(workdir=args.workdir, settings=demo.QUICK if args.quick else demo.DemoSettings(), quiet=args.json)
   _emit(args, res, demo.summary(res))
   return res
 
@@ -276,6 +276,7 @@ def build_parser() -> argparse.ArgumentParser:
 
   d = sub.add_parser("demo", help="the embedded default pipeline on a small model")
   d.add_argument("--workdir", default=None, help="where artifacts go (default: $JETSPEC_CACHE or ~/.cache/jetspec-jax)")
+  d.add_argument("--quick", action="store_true", help="the reduced sizes the test suite uses (a minute or two)")
   common(d, mesh=False)
   d.set_defaults(fn=cmd_demo)
   return p

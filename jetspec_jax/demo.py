@@ -1,12 +1,24 @@
-"""The embedded default pipeline (``jetspec-jax demo``).
+"""The embedded default pipeline (``jetspec-jax demo``): the whole JetSpec workflow on a small
+language model that this project trains itself, on CPU.
 
-Builds a small random Qwen3 checkpoint in Hugging Face format, converts it to an orbax
-checkpoint, generates with the jitted AR loop and speculatively with a JetSpec head, exports
-back to Hugging Face format and checks the round trip is bit-exact and the speculative output
-equals AR output.
+Stages (each cached under the work directory and skipped when its output exists for the same
+settings; a rerun with everything cached takes well under two minutes):
+  1. tokenizer   byte-level BPE with a Qwen3-style chat template, trained on ShareGPT text
+  2. target      a few-million-parameter Qwen3 pretrained on ShareGPT conversations with the
+                 project's jitted trainer; a normal Hugging Face directory (checked against
+                 `transformers` logits)
+  3. convert     HF -> orbax checkpoint; export back to HF and check the round trip is bit-exact
+  4. regenerate  ShareGPT prompts answered by the target itself (the training data of the head)
+  5. train head  a JetSpec causal draft head trained on the regenerated data
+  6. bench       AR vs chain vs trees (budget sweep) on HumanEval and held-out ShareGPT prompts,
+                 plus an untrained head for reference; JSON and plots
+The trained head is exported in the Hugging Face format of the published JetSpec heads.
 """
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import itertools
 import json
 import os
 import time
@@ -15,75 +27,237 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jetspec_jax import convert
-from jetspec_jax.config import Qwen3Config
-from jetspec_jax.decode.loop import generate_ar
+from jetspec_jax import bench, convert
 from jetspec_jax.decode.speculative import TreeConfig, generate_speculative
 from jetspec_jax.models import draft_head, qwen3
 
-DEMO_TARGET = Qwen3Config(vocab_size=512, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
-                          num_attention_heads=4, num_key_value_heads=2, head_dim=32, rope_theta=1e6,
-                          tie_word_embeddings=True, eos_token_ids=(1,))
+
+@dataclasses.dataclass(frozen=True)
+class DemoSettings:
+  """Sizes of every stage (the full demo; ``QUICK`` is the reduced one the test suite runs)."""
+  tokenizer_texts: int = 4000          # ShareGPT conversations the tokenizer is trained on
+  vocab_size: int = 4096
+  seq_len: int = 256
+  pretrain_conversations: int = 12000
+  pretrain_steps: int = 700
+  pretrain_batch: int = 16
+  pretrain_lr: float = 3e-3
+  regen_conversations: int = 768      # taken after the pretraining conversations
+  regen_max_new_tokens: int = 96
+  regen_batch: int = 64
+  head_layers: int = 1
+  head_block: int = 8
+  head_steps: int = 1000
+  head_batch: int = 16
+  head_lr: float = 3e-3
+  head_anchors: int = 32
+  bench_prompts: int = 6
+  bench_prompt_len: int = 48
+  bench_new_tokens: int = 64
+  bench_budgets: tuple[int, ...] = (16, 32, 64)
+  bench_width: int = 4
+  bench_repeats: int = 3
+  seed: int = 0
+
+  def fingerprint(self, *fields: str) -> str:
+    return hashlib.sha256(json.dumps({f: getattr(self, f) for f in fields}).encode()).hexdigest()[:12]
+
+
+QUICK = DemoSettings(tokenizer_texts=300, vocab_size=512, seq_len=96, pretrain_conversations=400, pretrain_steps=60,
+                     pretrain_batch=8, regen_conversations=48, regen_max_new_tokens=32, regen_batch=16,
+                     head_steps=120, head_batch=8, head_anchors=16, bench_prompts=2, bench_prompt_len=24,
+                     bench_new_tokens=24, bench_budgets=(16, 64), bench_repeats=1)
 
 
 def default_workdir() -> str:
   return os.environ.get("JETSPEC_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "jetspec-jax")
 
 
-def write_random_hf_target(out_dir: str, cfg: Qwen3Config, seed: int = 0, dtype=jnp.bfloat16) -> None:
-  """A random Qwen3 checkpoint in HF format (config.json + safetensors), written atomically."""
-  params = qwen3.init_target(cfg, jax.random.key(seed), dtype)
-  params = {k: (v * 8).astype(dtype) if v.ndim > 1 else v for k, v in params.items()}
-  with convert.atomic_directory(out_dir, overwrite=True) as tmp:
-    convert.write_safetensors(tmp, convert.target_mappings(cfg), params)
-    with open(os.path.join(tmp, "config.json"), "w") as f:
-      json.dump(cfg.to_hf_dict(str(jnp.dtype(dtype))), f, indent=2)
+class Stage:
+  """A cached stage: ``done()`` when ``<dir>/.stage.json`` records the same fingerprint."""
+
+  def __init__(self, root: str, name: str, fingerprint: str):
+    self.dir, self.fingerprint = os.path.join(root, name), fingerprint
+    self.marker = os.path.join(root, f".{name}.stage.json")
+
+  def done(self) -> dict | None:
+    if os.path.isfile(self.marker) and os.path.exists(self.dir):
+      with open(self.marker) as f:
+        meta = json.load(f)
+      if meta.get("fingerprint") == self.fingerprint:
+        return meta
+    return None
+
+  def finish(self, info: dict) -> dict:
+    info = dict(info, fingerprint=self.fingerprint)
+    with open(self.marker + ".tmp", "w") as f:
+      json.dump(info, f, indent=2, default=str)
+    os.replace(self.marker + ".tmp", self.marker)
+    return info
 
 
-def _same_safetensors(a_dir: str, b_dir: str) -> tuple[bool, int]:
+def _sharegpt_slice(start: int, stop: int):
+  from jetspec_jax.train.data import iter_conversations
+  return list(itertools.islice(iter_conversations("sharegpt"), start, stop))
+
+
+def _write_jsonl(path: str, conversations) -> None:
+  with open(path + ".tmp", "w") as f:
+    for c in conversations:
+      f.write(json.dumps({"messages": c}) + "\n")
+  os.replace(path + ".tmp", path)
+
+
+def _transformers_logits_error(hf_dir: str, cfg, params) -> float:
+  """Max |logits| difference between transformers (torch) and this project on one sequence."""
+  import torch
+  from transformers import AutoModelForCausalLM
+  model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+  ids = np.arange(1, 33, dtype=np.int32)[None] % cfg.vocab_size
+  with torch.no_grad():
+    ref = model(torch.tensor(ids, dtype=torch.long)).logits.numpy()
+  cache = qwen3.init_cache(cfg, 1, ids.shape[1], jnp.float32)
+  ours, _, _ = qwen3.forward(params, cfg, jnp.asarray(ids), jnp.arange(ids.shape[1])[None], cache,
+                             jnp.zeros(1, jnp.int32), qwen3.causal_mask(1, ids.shape[1]))
+  return float(np.abs(np.asarray(ours) - ref).max())
+
+
+def _same_safetensors(a_dir: str, b_dir: str) -> bool:
   a, b = convert.SafetensorsReader(a_dir), convert.SafetensorsReader(b_dir)
-  if a.keys() != b.keys():
-    return False, 0
-  same = all(np.array_equal(a.get(k).view(np.uint8), b.get(k).view(np.uint8)) for k in a.keys())
-  return same, len(a.keys())
+  return a.keys() == b.keys() and all(np.array_equal(a.get(k).view(np.uint8), b.get(k).view(np.uint8))
+                                      for k in a.keys())
 
 
-def run(workdir: str | None = None, quiet: bool = False) -> dict:
-  workdir = os.path.abspath(workdir or default_workdir())
+def run(workdir: str | None = None, settings: DemoSettings = DemoSettings(), quiet: bool = False) -> dict:
+  """Run (or reuse) every stage; returns the measured results (also written to demo.json)."""
+  from jetspec_jax.tokenizer import load_tokenizer, train_chat_tokenizer
+  from jetspec_jax.train import data as data_lib
+  from jetspec_jax.train import pretrain, regenerate, trainer
+  from jetspec_jax.train.config_file import load_config
+  s = settings
+  root = os.path.abspath(workdir or default_workdir())
+  os.makedirs(root, exist_ok=True)
   say = (lambda *a: None) if quiet else (lambda *a: print(*a, flush=True))
-  hf_dir, ckpt_dir, export_dir = (os.path.join(workdir, n) for n in ("target_hf", "target_ckpt", "target_export"))
-  res: dict = {"workdir": workdir, "backend": jax.default_backend()}
-  say(f"[1/4] writing a random Qwen3 target ({DEMO_TARGET.num_hidden_layers} layers, hidden "
-      f"{DEMO_TARGET.hidden_size}) in Hugging Face format -> {hf_dir}")
-  write_random_hf_target(hf_dir, DEMO_TARGET)
-  say(f"[2/4] converting to an orbax checkpoint -> {ckpt_dir}")
-  t0 = time.perf_counter()
-  res["convert"] = convert.convert_hf(hf_dir, ckpt_dir, overwrite=True)
-  res["convert"]["seconds"] = time.perf_counter() - t0
-  say("[3/4] generating: jitted AR loop vs JetSpec speculative loop (random head)")
-  cfg, params, _ = convert.load_target(ckpt_dir, jnp.float32)
-  head_cfg = draft_head.DraftConfig.for_target(cfg, num_layers=1, block_size=8)
-  head = draft_head.init_head(head_cfg, jax.random.key(1))
-  prompts = [[5, 17, 42, 7, 99, 3], [11, 12, 13]]
-  ar = generate_ar(params, cfg, prompts, max_new_tokens=32, eos_ids=())
-  tree = TreeConfig("accum_logp", budget=16, width=4, depth=7)
-  spec = generate_speculative(params, cfg, head, head_cfg, prompts, max_new_tokens=32, tree_cfg=tree, eos_ids=())
-  res["generate"] = {"ar_tokens": ar["token_ids"], "spec_equals_ar": spec["token_ids"] == ar["token_ids"],
-                     "tau": spec["tau"], "rounds": spec["rounds"]}
-  say(f"[4/4] exporting back to Hugging Face format -> {export_dir}")
-  res["export"] = convert.export_hf(ckpt_dir, export_dir, overwrite=True)
-  exact, n = _same_safetensors(hf_dir, export_dir)
-  res["round_trip"] = {"bit_exact": exact, "tensors": n}
-  res["ok"] = exact and res["generate"]["spec_equals_ar"]
+  t_start = time.perf_counter()
+  res: dict = {"workdir": root, "backend": jax.default_backend(), "settings": dataclasses.asdict(s), "stages": {}}
+
+  def stage(name, fields, title):
+    st = Stage(root, name, s.fingerprint(*fields))
+    cached = st.done()
+    say(f"[{name}] {title}" + (" (cached)" if cached else ""))
+    return st, cached
+
+  # 1. tokenizer
+  st, info = stage("tokenizer", ("tokenizer_texts", "vocab_size"), "training a BPE tokenizer on ShareGPT text")
+  if not info:
+    texts = [m["content"] for c in _sharegpt_slice(0, s.tokenizer_texts) for m in c]
+    train_chat_tokenizer(texts, s.vocab_size, st.dir)
+    info = st.finish({"texts": len(texts)})
+  res["stages"]["tokenizer"] = info
+  tokenizer = load_tokenizer(st.dir)
+  tok_dir = st.dir
+
+  # 2. target
+  fields = ("tokenizer_texts", "vocab_size", "seq_len", "pretrain_conversations", "pretrain_steps",
+            "pretrain_batch", "pretrain_lr", "seed")
+  st, info = stage("target_hf", fields, "pretraining a small Qwen3 target on ShareGPT (jitted trainer)")
+  if not info:
+    source = os.path.join(root, "pretrain.jsonl")
+    _write_jsonl(source, _sharegpt_slice(0, s.pretrain_conversations))
+    rows = data_lib.prepare_dataset(source, tokenizer, os.path.join(root, "pretrain_data"), seq_len=s.seq_len,
+                                    pack=True)
+    cfg = pretrain.default_demo_config(len(tokenizer), tokenizer.eos_token_id, tokenizer.pad_token_id)
+    info = pretrain.pretrain_target(cfg, rows, st.dir, steps=s.pretrain_steps, batch_size=s.pretrain_batch,
+                                    learning_rate=s.pretrain_lr, seed=s.seed, tokenizer_dir=tok_dir, progress=not quiet,
+                                    log_dir=os.path.join(root, "pretrain_logs"), overwrite=True)
+    cfg_loaded, params, _ = convert.load_target(st.dir, jnp.float32)
+    info["transformers_max_abs_logit_error"] = _transformers_logits_error(st.dir, cfg_loaded, params)
+    info = st.finish(info)
+  res["stages"]["target"] = info
+  target_hf = st.dir
+
+  # 3. convert + round trip
+  st, info = stage("target_ckpt", fields, "converting HF -> orbax and exporting back (round trip)")
+  if not info:
+    conv = convert.convert_hf(target_hf, st.dir, overwrite=True)
+    export_dir = os.path.join(root, "target_export")
+    convert.export_hf(st.dir, export_dir, overwrite=True)
+    info = st.finish({**conv, "round_trip_bit_exact": _same_safetensors(target_hf, export_dir),
+                      "export_dir": export_dir})
+  res["stages"]["convert"] = info
+  target_ckpt = st.dir
+  cfg, params, _ = convert.load_target(target_ckpt, jnp.float32)
+
+  # 4. regenerate
+  fields_r = fields + ("regen_conversations", "regen_max_new_tokens", "regen_batch")
+  st, info = stage("regenerated", fields_r, "regenerating ShareGPT answers with the target itself")
+  if not info:
+    source = os.path.join(root, "regen_source.jsonl")
+    start = s.pretrain_conversations
+    _write_jsonl(source, _sharegpt_slice(start, start + s.regen_conversations))
+    info = regenerate.regenerate((cfg, params, tok_dir), source, st.dir, max_new_tokens=s.regen_max_new_tokens,
+                                 batch_size=s.regen_batch, seed=s.seed, max_prompt_tokens=s.seq_len // 2,
+                                 progress=not quiet)
+    info = st.finish(info)
+  res["stages"]["regenerate"] = info
+  regen_dir = st.dir
+
+  # 5. train the head
+  fields_h = fields_r + ("head_layers", "head_block", "head_steps", "head_batch", "head_lr", "head_anchors")
+  st, info = stage("head_run", fields_h, "training the JetSpec draft head on the regenerated data")
+  if not info:
+    c = load_config("tiny")
+    c.target, c.data.path, c.output_dir, c.seed = target_ckpt, regen_dir, st.dir, s.seed
+    c.head.num_layers, c.head.block_size = s.head_layers, s.head_block
+    c.data.seq_len, c.data.eval_examples = s.seq_len, 8
+    c.train.steps, c.train.batch_size, c.train.learning_rate = s.head_steps, s.head_batch, s.head_lr
+    c.train.num_anchors, c.train.chunk_anchors = s.head_anchors, min(s.head_anchors, 16)
+    c.checkpoint.every = c.eval.every = max(s.head_steps // 2, 1)
+    c.log_every, c.export_dtype = max(s.head_steps // 20, 1), "float32"
+    info = st.finish(trainer.run(c, progress=not quiet))
+  res["stages"]["train_head"] = info
+  head_dir = info["head_dir"]
+
+  # 6. bench
+  say("[bench] AR vs chain vs tree, and an untrained head for reference")
+  head_cfg, head_params = convert.load_head(head_dir, jnp.float32, target_cfg=cfg)
+  untrained = draft_head.init_head(head_cfg, jax.random.key(s.seed + 7))
+  res["bench"] = {}
+  offset = s.pretrain_conversations + s.regen_conversations
+  for bank in ("humaneval", "sharegpt"):
+    prompts = (bench.prompt_bank(bank, tokenizer, num_prompts=s.bench_prompts, prompt_len=s.bench_prompt_len)
+               if bank == "humaneval" else
+               bench.prompt_bank(bank, tokenizer, num_prompts=s.bench_prompts, prompt_len=s.bench_prompt_len,
+                                 offset=offset))
+    r = bench.run(params, cfg, head_params, head_cfg, prompts, max_new_tokens=s.bench_new_tokens,
+                  budgets=s.bench_budgets, width=s.bench_width, repeats=s.bench_repeats, eos_ids=(),
+                  progress=lambda m: say(f"  {bank}: {m}"))
+    base = generate_speculative(params, cfg, untrained, head_cfg, prompts, max_new_tokens=s.bench_new_tokens,
+                                tree_cfg=TreeConfig("accum_logp", max(s.bench_budgets), s.bench_width, head_cfg.depth),
+                                eos_ids=())
+    r["untrained_tree_tau"] = base["tau"]
+    r["plots"] = bench.plots(r, os.path.join(root, "bench", bank))
+    res["bench"][bank] = r
+  res["head_dir"] = head_dir
+  res["seconds"] = time.perf_counter() - t_start
+  trees = [m for b in res["bench"].values() for n, m in b["modes"].items() if n != "ar"]
+  res["ok"] = bool(res["stages"]["convert"]["round_trip_bit_exact"] and all(m["equals_ar"] for m in trees))
+  with open(os.path.join(root, "demo.json"), "w") as f:
+    json.dump(res, f, indent=2, default=str)
   return res
 
 
 def summary(res: dict) -> str:
-  g, rt = res["generate"], res["round_trip"]
-  return "\n".join([
-      f"{'stage':<28} result",
-      f"{'HF -> orbax convert':<28} {res['convert']['num_tensors']} tensors, {res['convert']['seconds']:.1f}s",
-      f"{'speculative == AR':<28} {g['spec_equals_ar']} (tau {g['tau']:.2f} with an untrained head)",
-      f"{'orbax -> HF round trip':<28} {'bit-exact' if rt['bit_exact'] else 'MISMATCH'} over {rt['tensors']} tensors",
-      f"artifacts under {res['workdir']}",
-      "OK" if res["ok"] else "FAILED"])
+  st = res["stages"]
+  lines = [f"target: {st['target'].get('params', st['target'].get('num_params', '?'))} parameters, pretrain loss "
+           f"{st['target'].get('initial_loss', float('nan')):.2f} -> {st['target'].get('final_loss', float('nan')):.2f}; "
+           f"transformers logits max |diff| {st['target']['transformers_max_abs_logit_error']:.1e}",
+           f"HF -> orbax -> HF round trip: {'bit-exact' if st['convert']['round_trip_bit_exact'] else 'MISMATCH'}",
+           f"regenerated {st['regenerate'].get('examples')} conversations; head trained "
+           f"{st['train_head']['step']} steps (loss {st['train_head']['metrics'].get('loss', float('nan')):.3f})", ""]
+  for bank, r in res["bench"].items():
+    lines += [f"[{bank}]", bench.table(r), f"untrained head, tree budget {max(r['modes'][n]['budget'] for n in r['modes'] if n.startswith('tree_'))}: "
+              f"tau {r['untrained_tree_tau']:.2f}", ""]
+  lines += [f"head (HF format): {res['head_dir']}", f"everything under {res['workdir']} ({res['seconds']:.0f}s)",
+            "OK" if res["ok"] else "FAILED"]
+  return "\n".join(lines)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
@@ -139,7 +138,3 @@ def jax_forward(params, cfg, tokens, tap_layers=(), mesh=None):
 
 def random_tokens(vocab_size: int, shape, seed: int = 0) -> np.ndarray:
   return np.random.default_rng(seed).integers(0, vocab_size, size=shape).astype(np.int32)
-
-
-def list_dir(path: str) -> list[str]:
-  return sorted(os.listdir(path))
