@@ -109,7 +109,9 @@ class SafetensorsReader:
   def __init__(self, model_dir: str):
     index = os.path.join(model_dir, "model.safetensors.index.json")
     if os.path.isfile(index):
-      weight_map = read_json(index, "model.safetensors.index.json")["weight_map"]
+      weight_map = read_json(index, "model.safetensors.index.json").get("weight_map")
+      if not isinstance(weight_map, dict):
+        raise JetSpecError(f"{index} has no weight_map object")
       self.files = {k: os.path.join(model_dir, f) for k, f in weight_map.items()}
       for f in sorted(set(self.files.values())):
         if not os.path.isfile(f):
@@ -130,7 +132,11 @@ class SafetensorsReader:
     path = self.files[key]
     if path not in self._handles:
       self._handles[path] = safe_open(path, "numpy")
-    return self._handles[path].get_tensor(key)
+    try:
+      return self._handles[path].get_tensor(key)
+    except Exception as e:   # safetensors raises its own error type for a key the file lacks
+      raise JetSpecError(f"{os.path.basename(path)} does not contain {key}, although the index maps it there "
+                         f"({type(e).__name__})") from None
 
   def keys(self) -> set[str]:
     return set(self.files)
@@ -274,11 +280,11 @@ def convert_hf(hf_dir: str, out_dir: str, dtype=None, mesh=None, overwrite=False
                progress=_default_progress) -> dict:
   """HF directory -> converted checkpoint (orbax params + hf/ side files), written atomically."""
   check_output_dir(out_dir, overwrite)
-  cfg, params, _ = load_target(hf_dir, dtype, mesh, progress)
+  cfg, params, side = load_target(hf_dir, dtype, mesh, progress)
   with atomic_directory(out_dir, overwrite) as tmp:
     save_params(os.path.join(tmp, "params"), params)
     os.makedirs(os.path.join(tmp, "hf"))
-    copy_side_files(hf_dir, os.path.join(tmp, "hf"))
+    copy_side_files(side, os.path.join(tmp, "hf"))
     stored = str(params["embed"].dtype)
     with open(os.path.join(tmp, CHECKPOINT_MARKER), "w") as f:
       json.dump({"kind": "target", "dtype": stored, "architecture": cfg.architecture, "format_version": 1}, f)

@@ -371,8 +371,6 @@ def test_failure_with_overwrite_keeps_the_old_output(hf_dir, tmp_path, monkeypat
   assert os.listdir(tmp_path) == ["out"] and os.listdir(out) == ["old.txt"]
 
 
-@pytest.mark.xfail(strict=True, reason="convert.py bug: convert_hf copies side files from the input "
-                   "root, so a converted checkpoint as input yields an empty hf/ (unloadable)")
 def test_reconvert_a_converted_checkpoint(round_trip, tmp_path):
   _, ckpt, _ = round_trip("dense_tied", "bfloat16")
   out = str(tmp_path / "ckpt32")
@@ -402,3 +400,24 @@ def test_not_a_target_checkpoint(round_trip, tmp_path):
     json.dump({"kind": "draft"}, f)
   with pytest.raises(JetSpecError, match="not a target"):
     convert.load_target(dst)
+
+
+def test_bad_index_files_get_clear_errors(round_trip, tmp_path):
+  import json as _json
+  import shutil as _shutil
+  hf_dir, _, _ = round_trip("dense_tied", "float32")
+  bad = tmp_path / "bad"
+  _shutil.copytree(hf_dir, bad)
+  index = bad / "model.safetensors.index.json"
+  if not index.exists():
+    pytest.skip("fixture is not sharded")
+  data = _json.loads(index.read_text())
+  index.write_text(_json.dumps({"metadata": {}}))
+  with pytest.raises(JetSpecError, match="no weight_map"):
+    convert.load_target(str(bad))
+  files = sorted(set(data["weight_map"].values()))
+  key = next(k for k, f in data["weight_map"].items() if f == files[0])
+  data["weight_map"][key] = files[-1] if len(files) > 1 else "missing.safetensors"
+  index.write_text(_json.dumps(data))
+  with pytest.raises(JetSpecError):
+    convert.load_target(str(bad))

@@ -11,7 +11,8 @@ after its parent; commit the deepest fully matching path plus the argmax at its 
 At temperature > 0 (``sample_accept``) p is the target's processed distribution at a node
 (temperature / top-k / top-p, ``sampling.process_logits``) and q_d the draft's processed
 distribution for depth d. Both rules walk down from the root, one depth per step (a
-``fori_loop`` over D + 1 steps, vmapped over the batch, float32 probabilities):
+``while_loop`` of at most D + 1 steps that stops at the first node where nothing is accepted,
+vmapped over the batch, float32 probabilities); only the nodes on the walked path are processed:
 
 ``match`` (the reference behaviour): the tree is the deterministic top-W tree of q. At the
   current node draw ONE token t ~ p; descend to the child whose token is t if there is one,
@@ -50,6 +51,11 @@ given the committed tokens before it):
     depths < d, so at the node reached at depth d - 1 (whatever its rank path, hence its k)
     the candidates are a fresh without-replacement sample of q_d: the step outputs p exactly.
     By induction over depths (and rounds), committed tokens follow the target.
+  * The draft distributions may depend on anything except this round's candidate noise (the
+    head's do not depend on it at all). A drafter whose q_d depends on the noise of depths < d
+    (the test oracle that follows its own sampled chain) is only valid with a chain, whose
+    shape never depends on q: in a tree, q_d's values move the best-first search and so the
+    child counts at depths < d, which would then depend on the candidates tested there.
   * Candidates past the support of q (j >= number of tokens with q > 0, possible with top-k /
     top-p or draft logits of -inf) are skipped; the support size is a function of q only.
   * Guard: if a residual has zero mass (p <= q everywhere, i.e. p == q up to rounding, where
