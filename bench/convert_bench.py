@@ -236,6 +236,7 @@ def stage_export(args) -> dict:
 def stage_verify(args) -> dict:
   """Bit-exact comparison of two HF directories, one tensor at a time."""
   import numpy as np
+  from safetensors import safe_open
   from jetspec_jax.convert import SafetensorsReader
   with PhaseSampler() as sampler:
     sampler.phase("verify")
@@ -244,8 +245,14 @@ def stage_verify(args) -> dict:
     keys_a, keys_b = a.keys(), b.keys()
     mismatches = sorted(keys_a ^ keys_b)[:5]
     compared = 0
+
+    def read(reader, key):
+      # Open, read, close: a kept-open handle would leave every page read so far mapped (and in RSS).
+      with safe_open(reader.files[key], "numpy") as f:
+        return f.get_tensor(key)
+
     for key in sorted(keys_a & keys_b):
-      x, y = a.get(key), b.get(key)
+      x, y = read(a, key), read(b, key)
       if x.dtype != y.dtype or x.shape != y.shape or not np.array_equal(x.view(np.uint8), y.view(np.uint8)):
         mismatches.append(key)
       compared += 1

@@ -333,7 +333,8 @@ def count_fetches(record: dict):
 
 
 def guard_positive_control() -> dict:
-  """Does the guard fire for an implicit device->host transfer on this backend?"""
+  """Positive controls: does the guard fire for an implicit device->host transfer on this backend,
+  and does the HLO scan find a host callback placed inside a while loop?"""
   import jax
   import jax.numpy as jnp
   import numpy as np
@@ -341,10 +342,20 @@ def guard_positive_control() -> dict:
   try:
     with jax.transfer_guard_device_to_host("disallow"):
       np.asarray(x)
-    return {"guard_effective": False, "note": f"np.asarray(jax array) under 'disallow' did not raise on "
-                                              f"{jax.default_backend()} (zero-copy; jax-ml/jax#16602)"}
+    out = {"guard_effective": False, "note": f"np.asarray(jax array) under 'disallow' did not raise on "
+                                             f"{jax.default_backend()} (zero-copy; jax-ml/jax#16602)"}
   except Exception as e:                                  # noqa: BLE001 (any jax error type)
-    return {"guard_effective": True, "note": f"raised {type(e).__name__}"}
+    out = {"guard_effective": True, "note": f"raised {type(e).__name__}"}
+
+  def loop_with_callback(v):
+    def body(c):
+      jax.debug.callback(lambda t: None, c[1])
+      return c[0] + 1, c[1] * 2
+    return jax.lax.while_loop(lambda c: c[0] < 3, body, (0, v))
+  scan = _host_ops(jax.jit(loop_with_callback).lower(x).compile().as_text())
+  out["hlo_scan_finds_callback_in_loop"] = bool(scan["host_ops_found"])
+  out["callback_scan"] = scan
+  return out
 
 
 def bench_transfers(args, params, cfg, prompts):

@@ -124,16 +124,16 @@ class SafetensorsReader:
       for path in paths:
         with safe_open(path, "numpy") as f:
           self.files.update({k: path for k in f.keys()})
-    self._handles: dict[str, object] = {}
 
   def get(self, key: str) -> np.ndarray:
     if key not in self.files:
       raise JetSpecError(f"weight {key} is missing from the safetensors files")
     path = self.files[key]
-    if path not in self._handles:
-      self._handles[path] = safe_open(path, "numpy")
     try:
-      return self._handles[path].get_tensor(key)
+      # Open, read, close: a handle kept open keeps every page read through its mapping resident,
+      # which doubles peak host memory over a whole-model load.
+      with safe_open(path, "numpy") as f:
+        return f.get_tensor(key)
     except Exception as e:   # safetensors raises its own error type for a key the file lacks
       raise JetSpecError(f"{os.path.basename(path)} does not contain {key}, although the index maps it there "
                          f"({type(e).__name__})") from None
@@ -198,7 +198,7 @@ def _write_safetensors_file(path: str, entries: list[tuple[str, tuple[int, ...],
     for key, array in tensors:
       want_key, want_shape, want_dtype = next(expected)
       assert key == want_key and array.shape == tuple(want_shape) and array.dtype == want_dtype, key
-      f.write(np.ascontiguousarray(array).tobytes())
+      f.write(np.ascontiguousarray(array).view(np.uint8).reshape(-1).data)   # no extra copy
 
 
 def write_safetensors(out_dir: str, table: Sequence[Mapping], params: dict[str, jax.Array],

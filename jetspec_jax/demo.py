@@ -35,19 +35,19 @@ from jetspec_jax.models import draft_head, qwen3
 @dataclasses.dataclass(frozen=True)
 class DemoSettings:
   """Sizes of every stage (the full demo; ``QUICK`` is the reduced one the test suite runs)."""
-  tokenizer_texts: int = 4000          # ShareGPT conversations the tokenizer is trained on
+  tokenizer_texts: int = 3000          # ShareGPT conversations the tokenizer is trained on
   vocab_size: int = 4096
   seq_len: int = 256
-  pretrain_conversations: int = 12000
-  pretrain_steps: int = 700
+  pretrain_conversations: int = 6000
+  pretrain_steps: int = 450
   pretrain_batch: int = 16
   pretrain_lr: float = 3e-3
-  regen_conversations: int = 768      # taken after the pretraining conversations
+  regen_conversations: int = 512      # taken after the pretraining conversations
   regen_max_new_tokens: int = 96
   regen_batch: int = 64
   head_layers: int = 1
   head_block: int = 8
-  head_steps: int = 1000
+  head_steps: int = 600
   head_batch: int = 16
   head_lr: float = 3e-3
   head_anchors: int = 32

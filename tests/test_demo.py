@@ -1,0 +1,68 @@
+"""The embedded default pipeline at reduced size: every artifact is checked, and a trained head beats
+an untrained one (this is also the learning test of the trainer: loss falls and tau rises)."""
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jetspec_jax import convert, demo
+from jetspec_jax.models import draft_head
+from jetspec_jax.train import trainer
+
+
+@pytest.fixture(scope="module")
+def result(tmp_path_factory):
+  return demo.run(str(tmp_path_factory.mktemp("demo")), demo.QUICK, quiet=True)
+
+
+def test_target_matches_transformers_and_round_trips(result):
+  assert result["stages"]["target"]["transformers_max_abs_logit_error"] <= 1e-4
+  assert result["stages"]["target"]["final_loss"] < 0.9 * result["stages"]["target"]["initial_loss"]
+  assert result["stages"]["convert"]["round_trip_bit_exact"]
+  from transformers import AutoModelForCausalLM
+  AutoModelForCausalLM.from_pretrained(os.path.join(result["workdir"], "target_hf"))
+
+
+def test_trained_head_beats_untrained_and_is_lossless(result):
+  for bank, r in result["bench"].items():
+    for name, m in r["modes"].items():
+      if name != "ar":
+        assert m["equals_ar"], (bank, name)
+    assert r["modes"]["chain"]["tau"] > r["untrained_tree_tau"] + 0.5, bank
+    assert r["untrained_tree_tau"] < 1.5
+  train = result["stages"]["train_head"]
+  rows = [json.loads(l) for l in open(os.path.join(train["output_dir"], "metrics.jsonl"))]
+  losses = [r["loss"] for r in rows if "loss" in r]
+  assert losses[-1] < 0.5 * losses[0]
+  assert result["ok"]
+
+
+def test_exported_head_reloads_with_identical_logits(result):
+  run_dir = result["stages"]["train_head"]["output_dir"]
+  cfg, tp, _ = convert.load_target(os.path.join(result["workdir"], "target_ckpt"), jnp.float32)
+  head_cfg, exported = convert.load_head(os.path.join(run_dir, "head_hf"), target_cfg=cfg)
+  tx = trainer.make_optimizer(trainer.ml_collections.ConfigDict(
+      {"warmup_frac": 0.04, "steps": 1, "learning_rate": 1e-3, "final_lr_frac": 0.0, "clip_norm": 1.0,
+       "weight_decay": 0.0, "grad_accum": 1}))
+  mesh = trainer.make_mesh(1, 1, jax.devices()[:1])
+  store = trainer.CheckpointStore(os.path.join(run_dir, "checkpoints"), keep=3)
+  state, _ = store.restore(store.latest_step(), trainer.abstract_like(trainer.init_state(head_cfg, tx, 0, mesh)))
+  store.close()
+  feats = jnp.asarray(np.random.default_rng(0).normal(size=(1, 6, len(head_cfg.target_layer_ids) * cfg.hidden_size)),
+                      jnp.float32)
+  logits = []
+  for params in (state.params, exported):
+    cache = draft_head.init_context_cache(head_cfg, 1, 16, jnp.float32)
+    cache = draft_head.append_context(params, head_cfg, cache, feats, jnp.zeros(1, jnp.int32))
+    logits.append(np.asarray(draft_head.draft_logits(params, head_cfg, tp, cfg, cache, jnp.array([6]),
+                                                     jnp.array([3]))[0]))
+  np.testing.assert_array_equal(logits[0], logits[1])
+
+
+def test_rerun_reuses_every_stage(result):
+  again = demo.run(result["workdir"], demo.QUICK, quiet=True)
+  assert again["stages"]["train_head"]["fingerprint"] == result["stages"]["train_head"]["fingerprint"]
+  assert again["seconds"] < result["seconds"]
