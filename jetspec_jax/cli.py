@@ -86,8 +86,6 @@ def cmd_generate(args) -> dict:
     raise JetSpecError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
   if args.temperature < 0:
     raise JetSpecError(f"--temperature must be >= 0, got {args.temperature}")
-  if args.head and args.temperature > 0:
-    raise JetSpecError("speculative decoding (--head) runs greedy here; use --temperature 0")
   impl = resolve_implementation(args.attention)
   mesh = _mesh(args)
   dtype = _dtype(args.dtype)
@@ -108,10 +106,11 @@ def cmd_generate(args) -> dict:
     head_cfg, head_params = load_head(args.head, dtype, mesh, target_cfg=cfg)
     tree = TreeConfig(args.tree, args.budget, args.width, args.depth or head_cfg.depth)
     out = generate_speculative(params, cfg, head_params, head_cfg, [ids], max_new_tokens=args.max_new_tokens,
-                               tree_cfg=tree, eos_ids=eos, attn_impl=impl, mesh=mesh)
+                               tree_cfg=tree, eos_ids=eos, attn_impl=impl, mesh=mesh, temperature=args.temperature,
+                               top_k=args.top_k, top_p=args.top_p, accept=args.accept, seed=args.seed)
   else:
     out = generate_ar(params, cfg, [ids], max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                      eos_ids=eos, seed=args.seed, attn_impl=impl, mesh=mesh)
+                      eos_ids=eos, seed=args.seed, attn_impl=impl, mesh=mesh, top_k=args.top_k, top_p=args.top_p)
   tokens = out.pop("token_ids")[0]
   res = {"token_ids": tokens, "prompt_ids": ids, "mode": "speculative" if args.head else "autoregressive",
          "attention": impl, "backend": jax.default_backend(), **out,
@@ -124,7 +123,7 @@ def cmd_generate(args) -> dict:
            f"{len(tokens)} tokens ({res['mode']}, {impl} attention): prefill {out['prefill_s']:.3f}s, "
            f"decode {out['decode_s']:.3f}s (compile included on first call)"]
   if args.head:
-    lines.append(f"rounds {out['rounds']}, tau {out['tau']:.2f}, tree {out['tree']}")
+    lines.append(f"rounds {out['rounds']}, tau {out['tau']:.2f}, tree {out['tree']}, sampling {out['sampling']}")
   _emit(args, res, "\n".join(lines))
   return res
 
@@ -226,6 +225,10 @@ def build_parser() -> argparse.ArgumentParser:
   g.add_argument("--dtype", default="auto")
   g.add_argument("--temperature", type=float, default=0.0)
   g.add_argument("--seed", type=int, default=0)
+  g.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off; temperature > 0)")
+  g.add_argument("--top-p", type=float, default=1.0, help="keep the smallest set with probability >= p (1 = off)")
+  g.add_argument("--accept", default="rejection", choices=["rejection", "match"],
+                 help="speculative acceptance rule at temperature > 0")
   g.add_argument("--eos-ids", help="comma-separated EOS ids (default: the config's; '' never stops early)")
   g.add_argument("--head", help="JetSpec draft head directory (HF format): enables speculative decoding")
   g.add_argument("--tree", default="accum_logp", choices=["accum_logp", "top2gap", "chain"])
