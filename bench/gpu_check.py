@@ -126,6 +126,45 @@ def format_table(rows: list[dict]) -> str:
   return "\n".join("  ".join(v.rjust(w) for v, w in zip(line, widths)) for line in cells)
 
 
+def decode_section(*, smoke: bool, layers: int, budgets: tuple[int, ...], max_new: int, attn_impl: str) -> list[dict]:
+  """Jitted decode rounds on a Qwen3-8B-shaped random-weight model (``layers`` of its 36 layers; per-layer
+  shapes are Qwen3-8B's, so the verify/AR ratio does not depend on the layer count): ms per AR step and
+  per speculative round (draft + tree + verify + accept + commit) for each budget, batch 1, bf16."""
+  from jetspec_jax.config import Qwen3Config
+  from jetspec_jax.decode.loop import generate_ar
+  from jetspec_jax.decode.speculative import TreeConfig, generate_speculative
+  from jetspec_jax.models import draft_head, qwen3
+  if smoke:
+    cfg = Qwen3Config(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+    dtype, prompt_len, head_layers = jnp.float32, 16, 1
+  else:
+    cfg = Qwen3Config(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=layers,
+                      num_attention_heads=32, num_key_value_heads=8, head_dim=128, rope_theta=1e6)
+    dtype, prompt_len, head_layers = jnp.bfloat16, 1024, 5
+  params = qwen3.init_target(cfg, jax.random.key(0), dtype)
+  head_cfg = draft_head.DraftConfig.for_target(cfg, num_layers=head_layers, block_size=16)
+  head = draft_head.init_head(head_cfg, jax.random.key(1), dtype)
+  prompt = [np.random.default_rng(0).integers(0, cfg.vocab_size, prompt_len).tolist()]
+  rows = []
+
+  def timed(fn):
+    fn()                                  # compile + warm-up
+    return fn()
+
+  ar = timed(lambda: generate_ar(params, cfg, prompt, max_new_tokens=max_new, eos_ids=(), attn_impl=attn_impl))
+  ar_ms = 1e3 * ar["decode_s"] / max(ar["target_forwards"] - 1, 1)
+  rows.append(dict(mode="ar", nodes=1, ms_per_round=ar_ms, ratio_to_ar_step=1.0, tau=1.0))
+  for budget in budgets:
+    tree = TreeConfig("accum_logp", budget, 7, head_cfg.depth)
+    out = timed(lambda: generate_speculative(params, cfg, head, head_cfg, prompt, max_new_tokens=max_new,
+                                             tree_cfg=tree, eos_ids=(), attn_impl=attn_impl))
+    ms = 1e3 * out["decode_s"] / max(out["rounds"], 1)
+    rows.append(dict(mode=f"tree_b{budget}", nodes=budget, ms_per_round=ms, ratio_to_ar_step=ms / ar_ms,
+                     tau=out["tau"]))
+  return rows
+
+
 def main(argv: list[str] | None = None) -> int:
   """Runs every section, prints the tables, writes $OUT/gpu_check.json; 1 if a check failed."""
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -137,6 +176,10 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--block-k", type=int, default=64)
   parser.add_argument("--num-warps", type=int, default=4)
   parser.add_argument("--num-stages", type=int, default=2)
+  parser.add_argument("--decode-layers", type=int, default=12, help="layers of the Qwen3-8B-shaped model")
+  parser.add_argument("--decode-budgets", default="16,64,128")
+  parser.add_argument("--decode-new-tokens", type=int, default=33)
+  parser.add_argument("--skip-decode", action="store_true")
   args = parser.parse_args(argv)
   if args.smoke:
     args.iters, args.reps = min(args.iters, 3), 1
@@ -158,6 +201,13 @@ def main(argv: list[str] | None = None) -> int:
   report = dict(device_kind=device.device_kind, platform=device.platform, jax_version=jax.__version__,
                 hbm_bytes_per_s=hbm, smoke=args.smoke, iters=args.iters, reps=args.reps,
                 kernel=dict(shape=dataclasses.asdict(shape), tuning=tuning, rows=rows))
+  if not args.skip_decode:
+    impl = "pallas_interpret" if args.smoke else ("pallas" if device.platform == "gpu" else "xla")
+    drows = decode_section(smoke=args.smoke, layers=args.decode_layers, max_new=args.decode_new_tokens,
+                           budgets=tuple(int(b) for b in args.decode_budgets.split(",")), attn_impl=impl)
+    print(f"\njitted decode round, Qwen3-8B-shaped ({args.decode_layers} layers), batch 1, attention {impl}:")
+    print(format_table(drows))
+    report["decode"] = dict(layers=args.decode_layers, attention=impl, rows=drows)
   if out_dir := os.environ.get("OUT"):
     path = Path(out_dir) / "gpu_check.json"
     path.write_text(json.dumps(report, indent=2))

@@ -19,6 +19,10 @@ from jetspec_jax.train import data, pretrain
 WORDS = ("the cat sat on a mat while the dog ran to the park and a bird sang in the tree "
          "one two three four five six seven eight nine ten red green blue yellow").split()
 SEQ_LEN = 128
+TRAIN = dict(steps=40, batch_size=8, learning_rate=1e-2, seed=0)
+token_losses = jax.jit(pretrain.token_losses, static_argnums=1)
+mean_loss = jax.jit(pretrain.mean_loss, static_argnums=1)
+forward = jax.jit(qwen3.forward, static_argnums=1)
 
 
 def conversations(n: int, seed: int = 0):
@@ -56,10 +60,9 @@ def world(tmp_path_factory):
 @pytest.fixture(scope="module")
 def trained(world):
   out = world["root"] / "target_hf"
-  summary = pretrain.pretrain_target(tiny_config(world["tok"]), world["rows"], str(out), steps=40, batch_size=8,
-                                     learning_rate=1e-2, seed=0, tokenizer_dir=world["tok_dir"], progress=False,
-                                     log_dir=str(world["root"] / "logs"), log_every=10)
-  return summary
+  return pretrain.pretrain_target(tiny_config(world["tok"]), world["rows"], str(out), **TRAIN,
+                                  tokenizer_dir=world["tok_dir"], progress=False, log_dir=str(world["root"] / "logs"),
+                                  log_every=10)
 
 
 def test_training_lowers_the_loss(world, trained):
@@ -93,9 +96,8 @@ def test_export_is_a_hugging_face_qwen3_matching_our_forward(world, trained):
   with torch.no_grad():
     ref = model(torch.tensor(ids, dtype=torch.long)).logits.numpy()
   n = ids.shape[1]
-  logits, _, _ = qwen3.forward(params, cfg, jnp.asarray(ids), jnp.arange(n, dtype=jnp.int32)[None],
-                               qwen3.init_cache(cfg, 1, n, jnp.float32), jnp.zeros((1,), jnp.int32),
-                               qwen3.causal_mask(1, n))
+  logits, _, _ = forward(params, cfg, jnp.asarray(ids), jnp.arange(n, dtype=jnp.int32)[None],
+                          qwen3.init_cache(cfg, 1, n, jnp.float32), jnp.zeros((1,), jnp.int32), qwen3.causal_mask(1, n))
   np.testing.assert_allclose(np.asarray(logits), ref, atol=1e-4, rtol=0)
   assert np.abs(ref).max() > 1.0   # trained, not near-zero random logits
 
@@ -110,8 +112,8 @@ def test_packed_row_equals_separate_rows(world, trained):
   length = int(sum(packed_row["segment_lengths"])) + 5            # some padding too
   packed = data.pad_rows([packed_row], length, world["tok"].pad_token_id)
   separate = data.pad_rows(rows, length, world["tok"].pad_token_id)
-  ce_p, valid_p = jax.device_get(pretrain.token_losses(params, cfg, packed))
-  ce_s, valid_s = jax.device_get(pretrain.token_losses(params, cfg, separate))
+  ce_p, valid_p = jax.device_get(token_losses(params, cfg, packed))
+  ce_s, valid_s = jax.device_get(token_losses(params, cfg, separate))
   assert valid_p.sum() == valid_s.sum() == sum(len(r["input_ids"]) - 1 for r in rows)
   assert not valid_p[0, -5:].any()                                  # padding predicts nothing
   np.testing.assert_allclose(ce_p[valid_p], ce_s[valid_s], rtol=1e-5, atol=1e-5)
@@ -119,11 +121,11 @@ def test_packed_row_equals_separate_rows(world, trained):
   # conversations) changes the later conversations' losses.
   plain = dict(packed, segment_ids=np.where(packed["segment_ids"] > 0, 1, 0),
                positions=np.where(packed["segment_ids"] > 0, np.arange(length), 0))
-  ce_c, valid_c = jax.device_get(pretrain.token_losses(params, cfg, plain))
+  ce_c, valid_c = jax.device_get(token_losses(params, cfg, plain))
   first = len(rows[0]["input_ids"]) - 1
   assert np.abs(ce_c[0, first + 1:][valid_p[0, first + 1:]] - ce_p[0, first + 1:][valid_p[0, first + 1:]]).max() > 1e-3
   # ... and the packed batch's mean loss is the per-token mean over the valid targets.
-  loss, count = pretrain.mean_loss(params, cfg, packed)
+  loss, count = mean_loss(params, cfg, packed)
   assert int(count) == valid_p.sum() and float(loss) == pytest.approx(ce_p[valid_p].mean(), rel=1e-5)
 
 
@@ -133,36 +135,32 @@ def _weights(out_dir):
 
 
 @pytest.fixture(scope="module")
-def short_runs(world):
-  """Three-step runs of an untied config: two with the same seed, one more on a 2x2 mesh."""
-  cfg = tiny_config(world["tok"], tie_word_embeddings=False)
-  run = lambda name, mesh=None: pretrain.pretrain_target(cfg, world["rows"], str(world["root"] / name), steps=3,
-                                                         batch_size=4, seed=7, mesh=mesh, progress=False)
-  runs = {"a": run("a"), "b": run("b")}
+def reruns(world):
+  """The ``trained`` run again (same seed: the compiled program is reused), and on a 2x2 mesh."""
+  run = lambda name, mesh=None: pretrain.pretrain_target(tiny_config(world["tok"]), world["rows"],
+                                                         str(world["root"] / name), **TRAIN, mesh=mesh, progress=False)
+  runs = {"again": run("again")}
   if jax.device_count() >= 4:
     runs["mesh"] = run("mesh", make_mesh(2, 2, jax.devices()[:4]))
   return runs
 
 
-def test_same_seed_same_weights(short_runs):
-  a, b = short_runs["a"], short_runs["b"]
-  wa, wb = _weights(a["out_dir"]), _weights(b["out_dir"])
-  assert "lm_head.weight" in wa
-  assert a["losses"] == b["losses"]
+def test_same_seed_same_weights(trained, reruns):
+  again = reruns["again"]
+  assert again["losses"] == trained["losses"]
+  wa, wb = _weights(trained["out_dir"]), _weights(again["out_dir"])
+  assert set(wa) == set(wb)
   for k in wa:
     np.testing.assert_array_equal(wa[k], wb[k], err_msg=k)
-  initial = convert.SafetensorsReader(a["out_dir"])   # and training moved the weights
-  assert not np.allclose(initial.get("model.norm.weight"), 1.0)
 
 
-def test_sharded_run_equals_single_device(short_runs):
-  if "mesh" not in short_runs:
+def test_sharded_run_equals_single_device(trained, reruns):
+  if "mesh" not in reruns:
     pytest.skip("needs 4 devices (scripts/test.sh gives 8 fake CPU devices)")
-  one, two = short_runs["a"], short_runs["mesh"]
-  np.testing.assert_allclose(two["losses"], one["losses"], rtol=2e-5)
-  wa, wb = _weights(one["out_dir"]), _weights(two["out_dir"])
+  np.testing.assert_allclose(reruns["mesh"]["losses"], trained["losses"], rtol=2e-5)   # measured: 6e-7
+  wa, wb = _weights(trained["out_dir"]), _weights(reruns["mesh"]["out_dir"])
   for k in wa:
-    np.testing.assert_allclose(wb[k], wa[k], rtol=1e-4, atol=1e-6, err_msg=k)
+    np.testing.assert_allclose(wb[k], wa[k], rtol=1e-4, atol=2e-5, err_msg=k)       # measured: 1e-6 abs
 
 
 def test_refuses_a_non_empty_output_directory_before_training(world, tmp_path):

@@ -90,13 +90,20 @@ def _chain(anchor: jax.Array, depth_logits: jax.Array, depth_tokens: jax.Array |
       ancestors=jnp.broadcast_to(idx[None, :] <= idx[:, None], (batch, n, n)))
 
 
-def _fanout_caps(top_lp: jax.Array, method: str, width: int, beta: float, g0: float) -> jax.Array:
-  """Child cap [..., D] int32 per parent depth from the per-depth top-W log-probs [..., D, W]."""
+def _fanout_caps(log_probs: jax.Array, method: str, width: int, beta: float, g0: float) -> jax.Array:
+  """Child cap [..., D] int32 per parent depth from the per-depth log-probs [..., D, V].
+
+  The top-2 gap is taken with two max reductions, not by slicing top_k's output: XLA rewrites
+  top_k plus such slices into a full-vocabulary sort (~70x slower on CPU at V = 32k), and an
+  optimization barrier against that crashes XLA's TopK decomposer under SPMD partitioning."""
   if method == "accum_logp":
-    return jnp.full(top_lp.shape[:-1], width, jnp.int32)
+    return jnp.full(log_probs.shape[:-1], width, jnp.int32)
   if width < 2:                                   # max(1, round(1 * s)) == 1 for any s in [0, 1]
-    return jnp.ones(top_lp.shape[:-1], jnp.int32)
-  gap = top_lp[..., 0] - top_lp[..., 1]
+    return jnp.ones(log_probs.shape[:-1], jnp.int32)
+  first = jnp.max(log_probs, axis=-1)
+  best = jnp.argmax(log_probs, axis=-1)
+  rest = jnp.where(jnp.arange(log_probs.shape[-1]) == best[..., None], -jnp.inf, log_probs)
+  gap = first - jnp.max(rest, axis=-1)
   frac = jax.nn.sigmoid(-jnp.float32(beta) * (gap - jnp.float32(g0)))
   return jnp.maximum(1, jnp.round(width * frac)).astype(jnp.int32)
 
@@ -189,10 +196,8 @@ def build_tree(anchor: jax.Array, depth_logits: jax.Array, *, method: str, budge
   if not 1 <= width <= vocab:
     raise JetSpecError(f"tree width must be between 1 and the vocabulary size {vocab}; got {width}")
   log_probs = jax.nn.log_softmax(depth_logits.astype(jnp.float32), axis=-1)
-  # The barrier keeps XLA from rewriting top_k plus the slices of it that top2gap takes into
-  # a full-vocabulary sort (about 70x slower on CPU at V = 32k).
-  top_lp, top_tok = jax.lax.optimization_barrier(jax.lax.top_k(log_probs, width))  # [B, D, W]
-  caps = _fanout_caps(top_lp, method, width, top2gap_beta, top2gap_g0)    # [B, D]
+  top_lp, top_tok = jax.lax.top_k(log_probs, width)                      # [B, D, W]
+  caps = _fanout_caps(log_probs, method, width, top2gap_beta, top2gap_g0)  # [B, D]
   if depth_tokens is not None:
     top_tok = depth_tokens[:, :, :width]
   tokens, parents, depths, valid, ancestors = jax.vmap(

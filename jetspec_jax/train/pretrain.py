@@ -39,7 +39,7 @@ from jetspec_jax.checkpoint import atomic_directory, check_output_dir
 from jetspec_jax.config import Qwen3Config
 from jetspec_jax.errors import JetSpecError
 from jetspec_jax.models import qwen3
-from jetspec_jax.sharding import make_mesh
+from jetspec_jax.sharding import make_mesh, named_sharding
 
 log = logging.getLogger("jetspec_jax.train")
 
@@ -130,24 +130,28 @@ def train_step(state: PretrainState, batch: dict, *, cfg: Qwen3Config, tx, mesh)
   return PretrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
 
-def init_state(cfg: Qwen3Config, tx, seed: int, mesh) -> PretrainState:
-  """float32 weights from ``seed`` (each in its sharding) and the matching optimizer state."""
-  params = qwen3.init_target(cfg, jax.random.key(seed), jnp.float32, mesh)
+@functools.lru_cache(maxsize=8)
+def build_program(cfg: Qwen3Config, steps: int, learning_rate: float, warmup_frac: float, mesh):
+  """(optimizer, init_fn(key) -> state, step_fn(state, batch) -> (state, metrics)), both jitted with
+  explicit shardings (weights by their logical axes, optimizer moments like their weight, the batch
+  over ``data``); the step donates the state. Cached, so repeated runs of one setting compile once."""
+  tx = make_optimizer(steps, learning_rate, warmup_frac)
   replicated = NamedSharding(mesh, P())
-  opt_sharding = optax.tree_map_params(tx, lambda _, p: p.sharding, jax.eval_shape(tx.init, params), params,
-                                       transform_non_params=lambda _: replicated)
-  opt_state = jax.jit(tx.init, out_shardings=opt_sharding)(params)
-  return PretrainState(step=jax.device_put(jnp.zeros((), jnp.int32), replicated), params=params,
-                       opt_state=opt_state)
+  specs = qwen3.param_specs(cfg)
+  param_sh = {n: named_sharding(s.axes, s.shape, mesh) for n, s in specs.items()}
+  abstract = {n: jax.ShapeDtypeStruct(s.shape, jnp.float32, sharding=param_sh[n]) for n, s in specs.items()}
+  opt_sh = optax.tree_map_params(tx, lambda _, p: p.sharding, jax.eval_shape(tx.init, abstract), abstract,
+                                 transform_non_params=lambda _: replicated)
+  state_sh = PretrainState(step=replicated, params=param_sh, opt_state=opt_sh)
 
+  def init(key):
+    params = qwen3.init_target(cfg, key, jnp.float32, mesh)
+    return PretrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
 
-def compile_step(state: PretrainState, *, cfg: Qwen3Config, tx, mesh):
-  """The jitted step: explicit shardings (batch over ``data``), state donated."""
-  state_sh = jax.tree_util.tree_map(lambda x: x.sharding, state)
   batch_sh = {k: NamedSharding(mesh, P("data", None)) for k in BATCH_FIELDS}
   step = functools.partial(train_step, cfg=cfg, tx=tx, mesh=mesh)
-  return jax.jit(step, in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, NamedSharding(mesh, P())),
-                 donate_argnums=(0,))
+  return (tx, jax.jit(init, out_shardings=state_sh),
+          jax.jit(step, in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, replicated), donate_argnums=(0,)))
 
 
 def _host_copy(tree):
@@ -222,10 +226,9 @@ def pretrain_target(cfg: Qwen3Config, rows, out_dir: str, *, steps: int, batch_s
     raise JetSpecError(f"batch_size={batch_size} must divide by the {nproc} processes and the mesh's data axis "
                        f"({mesh.shape['data']})")
 
-  tx = make_optimizer(steps, learning_rate, warmup_frac)
   schedule = lr_schedule(steps, learning_rate, warmup_frac)
-  state = init_state(cfg, tx, seed, mesh)
-  step_fn = compile_step(state, cfg=cfg, tx=tx, mesh=mesh)
+  _, init_fn, step_fn = build_program(cfg, int(steps), float(learning_rate), float(warmup_frac), mesh)
+  state = init_fn(jax.random.key(seed))
   batches = BatchIterator(rows, batch_size // nproc, seed=seed)
   batch_sharding = NamedSharding(mesh, P("data", None))
   writer = MetricsWriter(log_dir) if log_dir is not None else None
