@@ -24,8 +24,8 @@ from jetspec_jax.attention import attention
 from jetspec_jax.config import Qwen3Config
 from jetspec_jax.errors import JetSpecError
 from jetspec_jax.models import qwen3
-from jetspec_jax.models.layers import ParamSpec, attention_block, init_params, rms_norm, rope, swiglu, write_rows
-from jetspec_jax.sharding import shard
+from jetspec_jax.models.layers import (ParamSpec, attention_specs, decoder_layer, dense_mlp, dense_mlp_specs, init_params,
+                                       rms_norm, rope, write_rows)
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
@@ -142,19 +142,8 @@ def param_specs(cfg: DraftConfig) -> dict[str, ParamSpec]:
            "final_norm": ParamSpec((h,), ("norm",), "ones")}
   for i in range(cfg.num_hidden_layers):
     pre = f"layers.{i}."
-    specs.update({
-        pre + "input_norm": ParamSpec((h,), ("norm",), "ones"),
-        pre + "post_attn_norm": ParamSpec((h,), ("norm",), "ones"),
-        pre + "q_proj": ParamSpec((h, nq, dh), ("embed", "q_heads", "head_dim")),
-        pre + "k_proj": ParamSpec((h, nkv, dh), ("embed", "kv_heads", "head_dim")),
-        pre + "v_proj": ParamSpec((h, nkv, dh), ("embed", "kv_heads", "head_dim")),
-        pre + "o_proj": ParamSpec((nq, dh, h), ("q_heads", "head_dim", "embed")),
-        pre + "q_norm": ParamSpec((dh,), ("norm",), "ones"),
-        pre + "k_norm": ParamSpec((dh,), ("norm",), "ones"),
-        pre + "mlp.gate": ParamSpec((h, mi), ("embed", "mlp")),
-        pre + "mlp.up": ParamSpec((h, mi), ("embed", "mlp")),
-        pre + "mlp.down": ParamSpec((mi, h), ("mlp", "embed")),
-    })
+    specs.update(attention_specs(pre, h, nq, nkv, dh))
+    specs.update(dense_mlp_specs(pre, h, mi))
   return specs
 
 
@@ -165,10 +154,8 @@ def init_head(cfg: DraftConfig, key: jax.Array, dtype=jnp.float32, mesh=None) ->
 
 def init_context_cache(cfg: DraftConfig, batch: int, max_len: int, dtype, mesh=None) -> qwen3.KVCache:
   """Per-layer context (and block scratch) K/V of the head, [B, Hkv, S, Dh] each."""
-  shape = (batch, cfg.num_key_value_heads, max_len, cfg.head_dim)
-  zeros = lambda: shard(jnp.zeros(shape, dtype), qwen3.CACHE_AXES, mesh)
-  return qwen3.KVCache(k=tuple(zeros() for _ in range(cfg.num_hidden_layers)),
-                       v=tuple(zeros() for _ in range(cfg.num_hidden_layers)))
+  return qwen3.zero_cache(cfg.num_hidden_layers, (batch, cfg.num_key_value_heads, max_len, cfg.head_dim), dtype,
+                          mesh)
 
 
 def fuse_features(params, cfg: DraftConfig, features: jax.Array) -> jax.Array:
@@ -176,7 +163,7 @@ def fuse_features(params, cfg: DraftConfig, features: jax.Array) -> jax.Array:
   return rms_norm(features.astype(params["fc"].dtype) @ params["fc"], params["hidden_norm"], cfg.rms_norm_eps)
 
 
-def _context_kv(params, cfg: DraftConfig, pre: str, ctx: jax.Array, positions: jax.Array):
+def context_kv(params, cfg: DraftConfig, pre: str, ctx: jax.Array, positions: jax.Array):
   """Layer ``pre``'s keys/values of context rows: k_norm + RoPE at the rows' positions."""
   k = jnp.einsum("bth,hnd->btnd", ctx, params[pre + "k_proj"])
   v = jnp.einsum("bth,hnd->btnd", ctx, params[pre + "v_proj"])
@@ -191,7 +178,7 @@ def append_context(params, cfg: DraftConfig, cache: qwen3.KVCache, features: jax
   positions = start[:, None] + jnp.arange(features.shape[1], dtype=jnp.int32)[None, :]
   new_k, new_v = [], []
   for i in range(cfg.num_hidden_layers):
-    k, v = _context_kv(params, cfg, f"layers.{i}.", ctx, positions)
+    k, v = context_kv(params, cfg, f"layers.{i}.", ctx, positions)
     new_k.append(write_rows(cache.k[i], k, start))
     new_v.append(write_rows(cache.v[i], v, start))
   return qwen3.KVCache(k=tuple(new_k), v=tuple(new_v))
@@ -202,6 +189,14 @@ def block_mask(cfg: DraftConfig, batch: int) -> jax.Array:
   bs = cfg.block_size
   m = jnp.tril(jnp.ones((bs, bs), bool)) if cfg.causal else jnp.ones((bs, bs), bool)
   return jnp.broadcast_to(m, (batch, bs, bs))
+
+
+def layer(params, cfg: DraftConfig, i: int, x: jax.Array, positions: jax.Array, attend) -> jax.Array:
+  """Draft layer i over block states x [B, T, H]; ``attend(q, k, v)`` supplies the context keys."""
+  weight = lambda n: params[f"layers.{i}.{n}"]
+  return decoder_layer(x, weight, attend, dense_mlp(weight), num_heads=cfg.num_attention_heads,
+                       num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, eps=cfg.rms_norm_eps,
+                       theta=cfg.rope_theta, positions=positions)
 
 
 def draft_hidden(params, cfg: DraftConfig, target_params, cache: qwen3.KVCache, ctx_len: jax.Array,
@@ -217,19 +212,13 @@ def draft_hidden(params, cfg: DraftConfig, target_params, cache: qwen3.KVCache, 
   mask = block_mask(cfg, batch)
   new_k, new_v = [], []
   for i in range(cfg.num_hidden_layers):
-    pre = f"layers.{i}."
-    h = rms_norm(x, params[pre + "input_norm"], cfg.rms_norm_eps)
-    q, k, v = attention_block(h, h, lambda n: params[pre + n], num_heads=cfg.num_attention_heads,
-                              num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, eps=cfg.rms_norm_eps,
-                              theta=cfg.rope_theta, q_positions=positions, kv_positions=positions)
-    k_cache = write_rows(cache.k[i], k, ctx_len)
-    v_cache = write_rows(cache.v[i], v, ctx_len)
-    new_k.append(k_cache)
-    new_v.append(v_cache)
-    attn = attention(q, k_cache, v_cache, ctx_len, mask, impl=attn_impl, mesh=mesh)
-    x = x + jnp.einsum("btnd,ndh->bth", attn, params[pre + "o_proj"])
-    h = rms_norm(x, params[pre + "post_attn_norm"], cfg.rms_norm_eps)
-    x = x + swiglu(h, params[pre + "mlp.gate"], params[pre + "mlp.up"], params[pre + "mlp.down"])
+    def attend(q, k, v, i=i):
+      k_cache, v_cache = write_rows(cache.k[i], k, ctx_len), write_rows(cache.v[i], v, ctx_len)
+      new_k.append(k_cache)
+      new_v.append(v_cache)
+      return attention(q, k_cache, v_cache, ctx_len, mask, impl=attn_impl, mesh=mesh)
+
+    x = layer(params, cfg, i, x, positions, attend)
   return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), qwen3.KVCache(k=tuple(new_k), v=tuple(new_v))
 
 

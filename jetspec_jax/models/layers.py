@@ -37,6 +37,27 @@ def init_params(specs: dict[str, ParamSpec], key: jax.Array, dtype, mesh=None) -
   return jax.jit(make, out_shardings=shardings)(key)
 
 
+def attention_specs(pre: str, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int) -> dict[str, ParamSpec]:
+  """The attention block's weights and both pre-norms of one decoder layer (target and head alike)."""
+  return {
+      pre + "input_norm": ParamSpec((hidden,), ("norm",), "ones"),
+      pre + "post_attn_norm": ParamSpec((hidden,), ("norm",), "ones"),
+      pre + "q_proj": ParamSpec((hidden, num_heads, head_dim), ("embed", "q_heads", "head_dim")),
+      pre + "k_proj": ParamSpec((hidden, num_kv_heads, head_dim), ("embed", "kv_heads", "head_dim")),
+      pre + "v_proj": ParamSpec((hidden, num_kv_heads, head_dim), ("embed", "kv_heads", "head_dim")),
+      pre + "o_proj": ParamSpec((num_heads, head_dim, hidden), ("q_heads", "head_dim", "embed")),
+      pre + "q_norm": ParamSpec((head_dim,), ("norm",), "ones"),
+      pre + "k_norm": ParamSpec((head_dim,), ("norm",), "ones"),
+  }
+
+
+def dense_mlp_specs(pre: str, hidden: int, intermediate: int) -> dict[str, ParamSpec]:
+  """SwiGLU MLP weights of one decoder layer."""
+  return {pre + "mlp.gate": ParamSpec((hidden, intermediate), ("embed", "mlp")),
+          pre + "mlp.up": ParamSpec((hidden, intermediate), ("embed", "mlp")),
+          pre + "mlp.down": ParamSpec((intermediate, hidden), ("mlp", "embed"))}
+
+
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
   """RMSNorm over the last axis, computed in float32 then cast back (as transformers)."""
   xf = x.astype(jnp.float32)
@@ -59,6 +80,23 @@ def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
 def swiglu(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array) -> jax.Array:
   """down(silu(x @ gate) * (x @ up)); gate/up [H, I], down [I, H]."""
   return (jax.nn.silu(x @ gate) * (x @ up)) @ down
+
+
+def dense_mlp(p: Callable[[str], jax.Array]) -> Callable[[jax.Array], jax.Array]:
+  """The SwiGLU MLP of a layer whose weights ``p(name)`` returns."""
+  return lambda h: swiglu(h, p("mlp.gate"), p("mlp.up"), p("mlp.down"))
+
+
+def decoder_layer(x: jax.Array, p: Callable[[str], jax.Array], attend, mlp, *, num_heads: int, num_kv_heads: int,
+                  head_dim: int, eps: float, theta: float, positions: jax.Array) -> jax.Array:
+  """One pre-norm Qwen3 decoder layer over x [B, T, H]:
+  x + o_proj(attend(q, k, v)), then + mlp(post_attn_norm(x)). ``attend`` maps q [B,T,Hq,Dh] and the
+  rows' own k, v [B,Hkv,T,Dh] to [B,T,Hq,Dh] (it decides which other keys are visible)."""
+  h = rms_norm(x, p("input_norm"), eps)
+  q, k, v = attention_block(h, h, p, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, eps=eps,
+                            theta=theta, q_positions=positions, kv_positions=positions)
+  x = x + jnp.einsum("btnd,ndh->bth", attend(q, k, v), p("o_proj"))
+  return x + mlp(rms_norm(x, p("post_attn_norm"), eps))
 
 
 def write_rows(cache: jax.Array, rows: jax.Array, start: jax.Array) -> jax.Array:

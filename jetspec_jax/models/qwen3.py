@@ -18,7 +18,8 @@ import jax.numpy as jnp
 
 from jetspec_jax.attention import attention
 from jetspec_jax.config import Qwen3Config
-from jetspec_jax.models.layers import ParamSpec, attention_block, init_params, rms_norm, swiglu, write_rows
+from jetspec_jax.models.layers import (ParamSpec, attention_specs, decoder_layer, dense_mlp, dense_mlp_specs, init_params,
+                                       rms_norm, write_rows)
 from jetspec_jax.sharding import shard
 
 
@@ -31,16 +32,7 @@ def param_specs(cfg: Qwen3Config) -> dict[str, ParamSpec]:
     specs["lm_head"] = ParamSpec((h, cfg.vocab_size), ("embed", "vocab"))
   for i in range(cfg.num_hidden_layers):
     pre = f"layers.{i}."
-    specs.update({
-        pre + "input_norm": ParamSpec((h,), ("norm",), "ones"),
-        pre + "post_attn_norm": ParamSpec((h,), ("norm",), "ones"),
-        pre + "q_proj": ParamSpec((h, nq, dh), ("embed", "q_heads", "head_dim")),
-        pre + "k_proj": ParamSpec((h, nkv, dh), ("embed", "kv_heads", "head_dim")),
-        pre + "v_proj": ParamSpec((h, nkv, dh), ("embed", "kv_heads", "head_dim")),
-        pre + "o_proj": ParamSpec((nq, dh, h), ("q_heads", "head_dim", "embed")),
-        pre + "q_norm": ParamSpec((dh,), ("norm",), "ones"),
-        pre + "k_norm": ParamSpec((dh,), ("norm",), "ones"),
-    })
+    specs.update(attention_specs(pre, h, nq, nkv, dh))
     if cfg.is_moe_layer(i):
       e, mi = cfg.num_experts, cfg.moe_intermediate_size
       specs.update({
@@ -50,12 +42,7 @@ def param_specs(cfg: Qwen3Config) -> dict[str, ParamSpec]:
           pre + "experts.down": ParamSpec((e, mi, h), ("experts", "mlp", "embed")),
       })
     else:
-      mi = cfg.intermediate_size
-      specs.update({
-          pre + "mlp.gate": ParamSpec((h, mi), ("embed", "mlp")),
-          pre + "mlp.up": ParamSpec((h, mi), ("embed", "mlp")),
-          pre + "mlp.down": ParamSpec((mi, h), ("mlp", "embed")),
-      })
+      specs.update(dense_mlp_specs(pre, h, cfg.intermediate_size))
   return specs
 
 
@@ -78,12 +65,15 @@ class KVCache:
 CACHE_AXES = ("batch", "kv_heads", "seq", "head_dim")
 
 
-def init_cache(cfg: Qwen3Config, batch: int, max_len: int, dtype, mesh=None) -> KVCache:
-  """A zeroed cache of ``max_len`` positions per sequence, sharded over (data, model)."""
-  shape = (batch, cfg.num_key_value_heads, max_len, cfg.head_dim)
+def zero_cache(num_layers: int, shape: tuple[int, ...], dtype, mesh=None) -> KVCache:
+  """``num_layers`` zeroed [B, Hkv, S, Dh] keys and values, sharded over (data, model)."""
   zeros = lambda: shard(jnp.zeros(shape, dtype), CACHE_AXES, mesh)
-  return KVCache(k=tuple(zeros() for _ in range(cfg.num_hidden_layers)),
-                 v=tuple(zeros() for _ in range(cfg.num_hidden_layers)))
+  return KVCache(k=tuple(zeros() for _ in range(num_layers)), v=tuple(zeros() for _ in range(num_layers)))
+
+
+def init_cache(cfg: Qwen3Config, batch: int, max_len: int, dtype, mesh=None) -> KVCache:
+  """A zeroed cache of ``max_len`` positions per sequence."""
+  return zero_cache(cfg.num_hidden_layers, (batch, cfg.num_key_value_heads, max_len, cfg.head_dim), dtype, mesh)
 
 
 def moe_mlp(x: jax.Array, params: dict, pre: str, cfg: Qwen3Config) -> jax.Array:
@@ -130,22 +120,18 @@ def forward(params: dict, cfg: Qwen3Config, tokens: jax.Array, positions: jax.Ar
   new_k, new_v = [], []
   for i in range(cfg.num_hidden_layers):
     pre = f"layers.{i}."
-    h = rms_norm(x, p[pre + "input_norm"], cfg.rms_norm_eps)
-    q, k, v = attention_block(h, h, lambda n: p[pre + n], num_heads=cfg.num_attention_heads,
-                              num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
-                              eps=cfg.rms_norm_eps, theta=cfg.rope_theta,
-                              q_positions=positions, kv_positions=positions)
-    k_cache = write_rows(cache.k[i], k, prefix_len)
-    v_cache = write_rows(cache.v[i], v, prefix_len)
-    new_k.append(k_cache)
-    new_v.append(v_cache)
-    attn = attention(q, k_cache, v_cache, prefix_len, block_mask, impl=attn_impl, mesh=mesh)
-    x = x + jnp.einsum("btnd,ndh->bth", attn, p[pre + "o_proj"])
-    h = rms_norm(x, p[pre + "post_attn_norm"], cfg.rms_norm_eps)
-    if cfg.is_moe_layer(i):
-      x = x + moe_mlp(h, p, pre, cfg)
-    else:
-      x = x + swiglu(h, p[pre + "mlp.gate"], p[pre + "mlp.up"], p[pre + "mlp.down"])
+    weight = lambda n, pre=pre: p[pre + n]
+
+    def attend(q, k, v, i=i):
+      k_cache, v_cache = write_rows(cache.k[i], k, prefix_len), write_rows(cache.v[i], v, prefix_len)
+      new_k.append(k_cache)
+      new_v.append(v_cache)
+      return attention(q, k_cache, v_cache, prefix_len, block_mask, impl=attn_impl, mesh=mesh)
+
+    mlp = (lambda h, pre=pre: moe_mlp(h, p, pre, cfg)) if cfg.is_moe_layer(i) else dense_mlp(weight)
+    x = decoder_layer(x, weight, attend, mlp, num_heads=cfg.num_attention_heads,
+                      num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, eps=cfg.rms_norm_eps,
+                      theta=cfg.rope_theta, positions=positions)
     if i in tap_layers:
       taps[i] = x
   tapped = jnp.concatenate([taps[i] for i in tap_layers], axis=-1) if tap_layers else None

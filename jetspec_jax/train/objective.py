@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jetspec_jax.config import Qwen3Config
 from jetspec_jax.errors import JetSpecError
 from jetspec_jax.models import draft_head, qwen3
-from jetspec_jax.models.layers import attention_block, rms_norm, swiglu
+from jetspec_jax.models.layers import rms_norm
 
 LOSSES = ("kl", "ce")
 
@@ -112,16 +112,11 @@ def head_block_hidden(head_params, head_cfg: draft_head.DraftConfig, target_para
   positions = (anchors[..., None] + jnp.arange(bs, dtype=jnp.int32)).reshape(batch, num_anchors * bs)
   x = target_params["embed"][block_tokens].astype(head_params["fc"].dtype)
   for i in range(cfg.num_hidden_layers):
-    pre = f"layers.{i}."
-    h = rms_norm(x, head_params[pre + "input_norm"], cfg.rms_norm_eps)
-    q, k, v = attention_block(h, h, lambda n: head_params[pre + n], num_heads=cfg.num_attention_heads,
-                              num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, eps=cfg.rms_norm_eps,
-                              theta=cfg.rope_theta, q_positions=positions, kv_positions=positions)
-    k_ctx, v_ctx = draft_head._context_kv(head_params, cfg, pre, ctx, ctx_positions)
-    attn = anchored_block_attention(q, k, v, k_ctx, v_ctx, ctx_visible, slot_visible)
-    x = x + jnp.einsum("btnd,ndh->bth", attn, head_params[pre + "o_proj"])
-    h = rms_norm(x, head_params[pre + "post_attn_norm"], cfg.rms_norm_eps)
-    x = x + swiglu(h, head_params[pre + "mlp.gate"], head_params[pre + "mlp.up"], head_params[pre + "mlp.down"])
+    def attend(q, k, v, i=i):
+      k_ctx, v_ctx = draft_head.context_kv(head_params, cfg, f"layers.{i}.", ctx, ctx_positions)
+      return anchored_block_attention(q, k, v, k_ctx, v_ctx, ctx_visible, slot_visible)
+
+    x = draft_head.layer(head_params, cfg, i, x, positions, attend)
   x = rms_norm(x, head_params["final_norm"], cfg.rms_norm_eps)
   return x.reshape(batch, num_anchors, bs, x.shape[-1])
 

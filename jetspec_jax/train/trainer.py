@@ -16,7 +16,7 @@ import json
 import logging
 import os
 import time
-from typing import Any, Iterator
+from typing import Any
 
 import flax.struct
 import jax
@@ -32,7 +32,7 @@ from jetspec_jax.config import Qwen3Config, parse_dtype
 from jetspec_jax.errors import JetSpecError
 from jetspec_jax.models import draft_head, qwen3
 from jetspec_jax.models.draft_head import DraftConfig
-from jetspec_jax.sharding import make_mesh, named_sharding
+from jetspec_jax.sharding import make_mesh
 from jetspec_jax.train import objective
 
 log = logging.getLogger("jetspec_jax.train")
