@@ -37,11 +37,12 @@ class DemoSettings:
   """Sizes of every stage (the full demo; ``QUICK`` is the reduced one the test suite runs)."""
   tokenizer_texts: int = 3000          # ShareGPT conversations the tokenizer is trained on
   vocab_size: int = 4096
-  seq_len: int = 256
-  pretrain_conversations: int = 6000
-  pretrain_steps: int = 450
+  seq_len: int = 192
+  pretrain_conversations: int = 4000
+  pretrain_steps: int = 300
   pretrain_batch: int = 16
   pretrain_lr: float = 3e-3
+  target_layers: int = 3
   regen_conversations: int = 512      # taken after the pretraining conversations
   regen_max_new_tokens: int = 96
   regen_batch: int = 64
@@ -159,14 +160,15 @@ def run(workdir: str | None = None, settings: DemoSettings = DemoSettings(), qui
 
   # 2. target
   fields = ("tokenizer_texts", "vocab_size", "seq_len", "pretrain_conversations", "pretrain_steps",
-            "pretrain_batch", "pretrain_lr", "seed")
+            "pretrain_batch", "pretrain_lr", "target_layers", "seed")
   st, info = stage("target_hf", fields, "pretraining a small Qwen3 target on ShareGPT (jitted trainer)")
   if not info:
     source = os.path.join(root, "pretrain.jsonl")
     _write_jsonl(source, _sharegpt_slice(0, s.pretrain_conversations))
     rows = data_lib.prepare_dataset(source, tokenizer, os.path.join(root, "pretrain_data"), seq_len=s.seq_len,
                                     pack=True)
-    cfg = pretrain.default_demo_config(len(tokenizer), tokenizer.eos_token_id, tokenizer.pad_token_id)
+    cfg = dataclasses.replace(pretrain.default_demo_config(len(tokenizer), tokenizer.eos_token_id,
+                                                           tokenizer.pad_token_id), num_hidden_layers=s.target_layers)
     info = pretrain.pretrain_target(cfg, rows, st.dir, steps=s.pretrain_steps, batch_size=s.pretrain_batch,
                                     learning_rate=s.pretrain_lr, seed=s.seed, tokenizer_dir=tok_dir, progress=not quiet,
                                     log_dir=os.path.join(root, "pretrain_logs"), overwrite=True)

@@ -201,14 +201,21 @@ def pretrain_target(cfg: Qwen3Config, rows, out_dir: str, *, steps: int, batch_s
   ``batch_size`` rows and write the Hugging Face directory ``out_dir``.
 
   Deterministic from ``seed`` (weights and the per-epoch row order). ``mesh``: a (data, model) mesh
-  (default: one device); ``batch_size`` must divide by its data axis and by the process count.
-  ``log_dir``: also write metrics (loss, grad_norm, learning_rate, tokens_per_s) every ``log_every``
-  steps with ``MetricsWriter``. Returns a summary dict.
+  (default: one device); ``batch_size`` is global and must divide by its data axis and by the process
+  count. ``tokenizer_dir``: its files are copied into ``out_dir`` and its eos / pad / bos ids go into
+  config.json. Every ``log_every`` steps the loss goes to the tqdm bar and, with ``log_dir``, to
+  ``MetricsWriter`` (loss, grad_norm, learning_rate, tokens_per_s). ``out_dir`` must be absent or empty
+  unless ``overwrite``; it is checked before training and written atomically after.
+
+  Returns {out_dir, files, steps, initial_loss (step 1, before any update), final_loss (last step),
+  final_loss_avg (mean of the last 10% of steps), losses (every step), tokens (predicted tokens),
+  seconds (training loop, compilation included), first_step_seconds (mostly compilation),
+  tokens_per_s / padded_tokens_per_s (after step 1), num_params, num_params_non_embedding, config}.
   """
   from jetspec_jax.train.data import BatchIterator
   from jetspec_jax.train.metrics import MetricsWriter
-  if steps < 1 or batch_size < 1:
-    raise JetSpecError(f"need steps >= 1 and batch_size >= 1 (got {steps}, {batch_size})")
+  if steps < 1 or batch_size < 1 or log_every < 1:
+    raise JetSpecError(f"need steps, batch_size and log_every >= 1 (got {steps}, {batch_size}, {log_every})")
   cfg.validate()
   if cfg.num_experts:
     raise JetSpecError("pretraining supports dense Qwen3 configs only")
@@ -219,8 +226,8 @@ def pretrain_target(cfg: Qwen3Config, rows, out_dir: str, *, steps: int, batch_s
     tokenizer = load_tokenizer(tokenizer_dir)
     if len(tokenizer) > cfg.vocab_size:
       raise JetSpecError(f"the tokenizer has {len(tokenizer)} ids but vocab_size={cfg.vocab_size}")
-  if mesh is None:
-    mesh = make_mesh(1, 1, jax.devices()[:1])
+  if mesh is None:   # one device; with several processes, every device on the data axis
+    mesh = make_mesh(1, 1, jax.devices()[:1]) if jax.process_count() == 1 else make_mesh(jax.device_count(), 1)
   nproc = jax.process_count()
   if batch_size % nproc or batch_size % mesh.shape["data"]:
     raise JetSpecError(f"batch_size={batch_size} must divide by the {nproc} processes and the mesh's data axis "

@@ -1,0 +1,109 @@
+"""Draft-head training throughput: sequences/s, tokens/s, peak host memory, and the step's FLOP
+count (from XLA's cost analysis) so the same script reports MFU on a GPU (pass --peak-tflops, or it
+is looked up for H100/H200).
+
+  python bench/train_bench.py                 # the tiny config on a synthetic world (CPU, ~2 min)
+  python bench/train_bench.py --config configs/qwen3_8b.py --config.target=CKPT --config.data.path=DATA
+
+Timing: the first step (compile) is excluded and reported; the median of --repeats windows of
+--steps steps each is reported. Prints a table and writes JSON (--out, and $OUT/train_bench.json).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+
+PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0}   # dense bf16
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--config", default="tiny")
+  p.add_argument("--steps", type=int, default=10, help="steps per timed window")
+  p.add_argument("--repeats", type=int, default=3)
+  p.add_argument("--peak-tflops", type=float, default=None)
+  p.add_argument("--out", default="bench/results/train_bench.json")
+  args, overrides = p.parse_known_args(argv)
+  import jax
+  import numpy as np
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  from jetspec_jax import convert
+  from jetspec_jax.config import parse_dtype
+  from jetspec_jax.tokenizer import load_tokenizer
+  from jetspec_jax.train import data as data_lib, trainer
+  from jetspec_jax.train.config_file import apply_override, load_config
+
+  c = load_config(args.config, [o for o in overrides if o.startswith("--config.")])
+  if not c.target:                                   # synthetic world: tokenizer, random target, chat data
+    import trainer_world
+    world = trainer_world.build(tempfile.mkdtemp(prefix="train_bench_"), hidden=64)
+    c.target, c.data.path = world["target"], world["data"]
+    apply_override(c, "data.seq_len=128")
+  tc = c.train
+  mesh = trainer.build_mesh(c.mesh)
+  target_cfg, target_params, side = convert.load_target(c.target, parse_dtype(tc.target_dtype), mesh)
+  tok = load_tokenizer(side)
+  head_cfg = trainer.build_head_config(c, target_cfg, tok.mask_token_id)
+  rows = data_lib.prepare_dataset(c.data.path, tok, tempfile.mkdtemp(prefix="train_bench_data_"),
+                                  seq_len=c.data.seq_len)
+  tx = trainer.make_optimizer(tc)
+  state = trainer.init_state(head_cfg, tx, c.seed, mesh)
+  sharding = NamedSharding(mesh, P("data", None))
+  step = trainer.compile_step(state, target_params, sharding, target_cfg=target_cfg, head_cfg=head_cfg, tc=tc,
+                              tx=tx, mesh=mesh)
+  batches = data_lib.BatchIterator(rows, tc.batch_size // jax.process_count(), seed=0)
+
+  def batch():
+    b = next(batches)
+    return trainer.global_batch({"input_ids": b["input_ids"], "loss_mask": b["loss_mask"]}, sharding)
+
+  b0 = batch()
+  flops = None
+  try:
+    cost = step.lower(state, target_params, b0).compile().cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    flops = float(cost.get("flops", 0.0)) or None
+  except Exception as e:                            # cost analysis is best effort on some backends
+    print(f"(no cost analysis: {type(e).__name__})", file=sys.stderr)
+  t0 = time.perf_counter()
+  state, m = step(state, target_params, b0)
+  jax.block_until_ready(m)
+  compile_s = time.perf_counter() - t0
+  windows = []
+  for _ in range(args.repeats):
+    feeds = [batch() for _ in range(args.steps)]
+    t0 = time.perf_counter()
+    for f in feeds:
+      state, m = step(state, target_params, f)
+    jax.block_until_ready(m)
+    windows.append((time.perf_counter() - t0) / args.steps)
+  step_s = statistics.median(windows)
+  kind = jax.devices()[0].device_kind
+  peak = args.peak_tflops or next((v for k, v in PEAK_TFLOPS.items() if k in kind), None)
+  res = {"config": args.config, "device": kind, "devices": jax.device_count(), "batch_size": tc.batch_size,
+         "seq_len": c.data.seq_len, "num_anchors": tc.num_anchors, "block_size": head_cfg.block_size,
+         "step_s": step_s, "compile_and_first_step_s": compile_s, "sequences_per_s": tc.batch_size / step_s,
+         "tokens_per_s": tc.batch_size * c.data.seq_len / step_s, "step_flops": flops,
+         "achieved_tflops": flops / step_s / 1e12 if flops else None,
+         "mfu": flops / step_s / 1e12 / (peak * jax.device_count()) if flops and peak else None,
+         "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 ** 2,
+         "final_loss": float(np.asarray(m["loss"]))}
+  for k, v in res.items():
+    print(f"{k:<26} {v:.4g}" if isinstance(v, float) else f"{k:<26} {v}")
+  os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+  for path in [args.out] + ([os.path.join(os.environ["OUT"], "train_bench.json")] if os.environ.get("OUT") else []):
+    with open(path, "w") as f:
+      json.dump(res, f, indent=2)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
