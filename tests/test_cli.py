@@ -1,0 +1,68 @@
+"""The command line: JSON output on success, one sentence and exit status 2 on bad input."""
+import json
+import os
+
+import pytest
+
+from jetspec_jax import cli, convert
+from jetspec_jax.models import draft_head
+
+
+def run(capsys, *argv):
+  code = cli.main(list(argv))
+  out = capsys.readouterr()
+  return code, out.out, out.err
+
+
+def test_convert_generate_export_json(hf_dir, tmp_path, capsys):
+  src = hf_dir("dense_tied", "float32")
+  ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "out")
+  code, stdout, _ = run(capsys, "convert", src, ckpt, "--json")
+  assert code == 0 and json.loads(stdout)["dtype"] == "float32"
+  code, stdout, _ = run(capsys, "generate", "--target", ckpt, "--prompt-ids", "1,2,3", "--max-new-tokens", "5",
+                        "--eos-ids", "", "--json")
+  res = json.loads(stdout)
+  assert code == 0 and len(res["token_ids"]) == 5 and res["prefill_s"] > 0 and res["decode_s"] > 0
+  cfg, _, _ = convert.load_target(ckpt)
+  head_cfg = draft_head.DraftConfig.for_target(cfg, num_layers=1, block_size=4)
+  convert.save_head(str(tmp_path / "head"), head_cfg, draft_head.init_head(head_cfg, __import__("jax").random.key(0)))
+  code, stdout, _ = run(capsys, "generate", "--target", ckpt, "--head", str(tmp_path / "head"), "--prompt-ids",
+                        "1,2,3", "--max-new-tokens", "5", "--eos-ids", "", "--budget", "8", "--width", "2", "--json")
+  spec = json.loads(stdout)
+  assert code == 0 and spec["token_ids"] == res["token_ids"] and spec["rounds"] >= 1 and "tau" in spec
+  code, stdout, _ = run(capsys, "export", ckpt, out, "--json")
+  assert code == 0 and os.path.isfile(os.path.join(out, "config.json"))
+
+
+@pytest.mark.parametrize("argv,phrase", [
+    (["generate", "--target", "/nonexistent/model", "--prompt-ids", "1"], "target not found"),
+    (["convert", "/nonexistent/model", "OUT"], "not found"),
+    (["train", "--config", "configs/tiny.py", "--config.train.stepz=3"], "unknown config key"),
+    (["train", "--config", "configs/tiny.py", "--config.train.steps=abc"], "expects a int"),
+    (["train", "--config", "no_such_config"], "config file not found"),
+])
+def test_bad_input_is_one_sentence_and_status_2(capsys, tmp_path, argv, phrase):
+  argv = [a.replace("OUT", str(tmp_path / "out")) for a in argv]
+  code, _, err = run(capsys, *argv)
+  assert code == 2 and phrase in err and "Traceback" not in err
+  assert not os.path.exists(tmp_path / "out")
+
+
+def test_bad_generate_options(hf_dir, tmp_path, capsys):
+  src = hf_dir("dense_tied", "float32")
+  for argv, phrase in [(["--prompt-ids", "1,x"], "comma-separated integers"),
+                       (["--prompt-ids", "1", "--dtype", "fp8"], "unknown dtype"),
+                       (["--prompt-ids", "1", "--mesh", "3x3"], "needs 9 devices"),
+                       (["--prompt-ids", "1", "--attention", "cuda"], "unknown attention"),
+                       (["--prompt-ids", "99999"], "outside the vocabulary"),
+                       (["--prompt", "hello"], "tokenizer")]:
+    code, _, err = run(capsys, "generate", "--target", src, *argv)
+    assert code == 2 and phrase in err, (argv, err)
+
+
+def test_convert_refuses_a_non_empty_output(hf_dir, tmp_path, capsys):
+  out = tmp_path / "out"
+  out.mkdir()
+  (out / "keep.txt").write_text("x")
+  code, _, err = run(capsys, "convert", hf_dir("dense_tied", "float32"), str(out))
+  assert code == 2 and "already exists" in err and (out / "keep.txt").read_text() == "x"
