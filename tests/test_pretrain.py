@@ -180,4 +180,4 @@ def test_default_demo_config():
   cfg = pretrain.default_demo_config(4096, eos_id=7, pad_id=5)
   cfg.validate()
   assert cfg.tie_word_embeddings and cfg.eos_token_ids == (7,) and cfg.pad_token_id == 5
-  assert 1e6 <= pretrain.num_params(cfg) <= 2e7 and cfg.hidden_size == 128
+  assert 1e6 <= pretrain.num_params(cfg) <= 2e7 and cfg.hidden_size == 256
