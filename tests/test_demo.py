@@ -64,6 +64,11 @@ def test_exported_head_reloads_with_identical_logits(result):
 
 
 def test_rerun_reuses_every_stage(result):
-  again = demo.run(result["workdir"], demo.QUICK, quiet=True)
+  root = result["workdir"]
+  outputs = [os.path.join(root, "target_hf", "model.safetensors"), os.path.join(root, "target_ckpt", "jetspec.json"),
+             os.path.join(result["head_dir"], "model.safetensors")]
+  mtimes = [os.stat(p).st_mtime_ns for p in outputs]
+  again = demo.run(root, demo.QUICK, quiet=True)
+  assert [os.stat(p).st_mtime_ns for p in outputs] == mtimes      # nothing was rebuilt
   assert again["stages"]["train_head"]["fingerprint"] == result["stages"]["train_head"]["fingerprint"]
   assert again["seconds"] < result["seconds"]

@@ -48,23 +48,26 @@ class TrainState:
   rng: jax.Array
 
 
-def make_optimizer(tc: ml_collections.ConfigDict) -> optax.GradientTransformation:
-  """AdamW with linear warmup + cosine decay, global-norm clipping, optional accumulation."""
+def lr_schedule(tc: ml_collections.ConfigDict) -> optax.Schedule:
+  """Linear warmup (train.warmup_frac of the steps) then cosine decay, per optimizer update."""
   warmup = max(1, int(round(tc.warmup_frac * tc.steps)))
-  schedule = optax.warmup_cosine_decay_schedule(
+  return optax.warmup_cosine_decay_schedule(
       init_value=0.0, peak_value=tc.learning_rate, warmup_steps=warmup, decay_steps=max(tc.steps, warmup + 1),
       end_value=tc.learning_rate * tc.final_lr_frac)
+
+
+def make_optimizer(tc: ml_collections.ConfigDict) -> optax.GradientTransformation:
+  """AdamW on ``lr_schedule``, global-norm clipping, optional accumulation."""
   tx = optax.chain(optax.clip_by_global_norm(tc.clip_norm),
-                   optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=tc.weight_decay))
+                   optax.adamw(lr_schedule(tc), b1=0.9, b2=0.95, weight_decay=tc.weight_decay))
   if tc.grad_accum > 1:
     tx = optax.MultiSteps(tx, every_k_schedule=tc.grad_accum)
   return tx
 
 
 def learning_rate(tc: ml_collections.ConfigDict, step: int) -> float:
-  warmup = max(1, int(round(tc.warmup_frac * tc.steps)))
-  return float(optax.warmup_cosine_decay_schedule(0.0, tc.learning_rate, warmup, max(tc.steps, warmup + 1),
-                                                   tc.learning_rate * tc.final_lr_frac)(step // tc.grad_accum))
+  """The learning rate in effect at micro-step ``step``."""
+  return float(lr_schedule(tc)(step // tc.grad_accum))
 
 
 def target_states(target_params, target_cfg: Qwen3Config, tokens: jax.Array, tap_layers, mesh=None):
