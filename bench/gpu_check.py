@@ -2,8 +2,9 @@
 
 Kernel section: the Pallas tree-attention kernel against the XLA reference for Qwen3-8B attention
 (B=1, 32 query heads, 8 kv heads, head_dim 128, bf16), N tree nodes x prefix length. Per row:
-error vs XLA, median kernel and XLA times, and the kernel's achieved bandwidth counting the K/V
-of prefix + N keys read once, as a fraction of the device's HBM bandwidth.
+error vs XLA, the prefix splits the kernel chose, median kernel time with those splits and with
+one split (no flash-decoding), XLA time, and the kernel's achieved bandwidth counting the K/V of
+prefix + N keys read once, as a fraction of the device's HBM bandwidth.
 
   python bench/gpu_check.py                 # on the GPU; JSON to $OUT/gpu_check.json when $OUT is set
   python bench/gpu_check.py --smoke         # on CPU: tiny shapes, kernel in interpret mode
@@ -28,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jetspec_jax.attention import xla_attention
-from pallas_kernels.tree_attention import tree_attention
+from pallas_kernels.tree_attention import launch_shapes, tree_attention
 
 HBM_BYTES_PER_S = {"H200": 4.8e12, "H100": 3.35e12}   # matched against jax device_kind
 REL_TOLERANCE = {"bfloat16": 1e-2, "float32": 1e-5}
@@ -46,7 +47,7 @@ class AttentionShape:
 
 QWEN3_8B = AttentionShape(batch=1, num_q_heads=32, num_kv_heads=8, head_dim=128, dtype="bfloat16")
 SMOKE = AttentionShape(batch=1, num_q_heads=4, num_kv_heads=2, head_dim=64, dtype="bfloat16")
-SWEEP = {"full": ((1, 16, 64, 128, 256), (1024, 4096, 16384)), "smoke": ((1, 5), (3, 40))}
+SWEEP = {"full": ((1, 16, 64, 128, 256), (1024, 4096, 16384)), "smoke": ((1, 5), (3, 600))}
 
 
 def hbm_bytes_per_s(device_kind: str, gbps_flag: float | None) -> float | None:
@@ -97,6 +98,7 @@ def kernel_section(*, smoke: bool, iters: int, reps: int, hbm: float | None,
   shape = SMOKE if smoke else QWEN3_8B
   node_counts, prefixes = SWEEP["smoke" if smoke else "full"]
   kernel = jax.jit(lambda *a: tree_attention(*a, interpret=smoke, **tuning))
+  one_split = jax.jit(lambda *a: tree_attention(*a, interpret=smoke, **{**tuning, "num_splits": 1}))
   reference = jax.jit(xla_attention)
   itemsize = jnp.dtype(shape.dtype).itemsize
   rows = []
@@ -107,11 +109,15 @@ def kernel_section(*, smoke: bool, iters: int, reps: int, hbm: float | None,
       ref = np.asarray(reference(*args), np.float32)
       max_err = float(np.max(np.abs(out - ref)))
       kernel_s = median_seconds(kernel, args, iters=iters, reps=reps)
+      one_split_s = median_seconds(one_split, args, iters=iters, reps=reps)
+      splits = launch_shapes(shape.batch, num_nodes, shape.num_q_heads, shape.num_kv_heads, shape.head_dim,
+                             cache_len=prefix, **tuning).num_splits
       xla_s = median_seconds(reference, args, iters=iters, reps=reps)
       kv_bytes = 2 * shape.batch * shape.num_kv_heads * (prefix + num_nodes) * shape.head_dim * itemsize
       rows.append(dict(
           n=num_nodes, prefix=prefix, max_abs_err=max_err,
-          rel_err=max_err / float(np.max(np.abs(ref))), kernel_us=kernel_s * 1e6, xla_us=xla_s * 1e6,
+          rel_err=max_err / float(np.max(np.abs(ref))), splits=splits, kernel_us=kernel_s * 1e6,
+          one_split_us=one_split_s * 1e6, xla_us=xla_s * 1e6,
           speedup=xla_s / kernel_s, kv_bytes=kv_bytes, kernel_gbps=kv_bytes / kernel_s / 1e9,
           hbm_fraction=None if hbm is None else kv_bytes / kernel_s / hbm))
   return rows
@@ -176,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--block-k", type=int, default=64)
   parser.add_argument("--num-warps", type=int, default=4)
   parser.add_argument("--num-stages", type=int, default=2)
+  parser.add_argument("--num-splits", type=int, default=None, help="prefix splits (default: chosen per problem)")
   parser.add_argument("--decode-layers", type=int, default=12, help="layers of the Qwen3-8B-shaped model")
   parser.add_argument("--decode-budgets", default="16,64,128")
   parser.add_argument("--decode-new-tokens", type=int, default=33)
@@ -187,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
   device = jax.devices()[0]
   hbm = hbm_bytes_per_s(device.device_kind, args.hbm_gbps)
   tuning = dict(block_r=args.block_r, block_k=args.block_k, num_warps=args.num_warps,
-                num_stages=args.num_stages)
+                num_stages=args.num_stages, num_splits=args.num_splits)
   rows = kernel_section(smoke=args.smoke, iters=args.iters, reps=args.reps, hbm=hbm, tuning=tuning)
   shape = SMOKE if args.smoke else QWEN3_8B
   failed = [r for r in rows if not r["rel_err"] <= REL_TOLERANCE[shape.dtype]]

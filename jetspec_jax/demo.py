@@ -21,6 +21,7 @@ import hashlib
 import itertools
 import json
 import os
+import shutil
 import time
 
 import jax
@@ -39,10 +40,11 @@ class DemoSettings:
   vocab_size: int = 4096
   seq_len: int = 192
   pretrain_conversations: int = 4000
-  pretrain_steps: int = 300
+  pretrain_steps: int = 500
   pretrain_batch: int = 16
   pretrain_lr: float = 3e-3
-  target_layers: int = 3
+  target_hidden: int = 128
+  target_layers: int = 4
   regen_conversations: int = 512      # taken after the pretraining conversations
   regen_max_new_tokens: int = 96
   regen_batch: int = 64
@@ -52,6 +54,7 @@ class DemoSettings:
   head_batch: int = 16
   head_lr: float = 3e-3
   head_anchors: int = 32
+  head_loss: str = "ce"               # see docs/demo.md: why CE and not KL for this small target
   bench_prompts: int = 6
   bench_prompt_len: int = 48
   bench_new_tokens: int = 64
@@ -75,11 +78,14 @@ def default_workdir() -> str:
 
 
 class Stage:
-  """A cached stage: ``done()`` when ``<dir>/.stage.json`` records the same fingerprint."""
+  """A cached stage under ``root``: ``done()`` when ``.<name>.stage.json`` records the same
+  fingerprint. ``begin()`` keeps a partial output of an interrupted run with the same fingerprint
+  (the trainer and regeneration resume from it) and deletes one left by other settings."""
 
   def __init__(self, root: str, name: str, fingerprint: str):
     self.dir, self.fingerprint = os.path.join(root, name), fingerprint
     self.marker = os.path.join(root, f".{name}.stage.json")
+    self.started = os.path.join(root, f".{name}.started")
 
   def done(self) -> dict | None:
     if os.path.isfile(self.marker) and os.path.exists(self.dir):
@@ -88,6 +94,18 @@ class Stage:
       if meta.get("fingerprint") == self.fingerprint:
         return meta
     return None
+
+  def begin(self) -> None:
+    started = None
+    if os.path.isfile(self.started):
+      with open(self.started) as f:
+        started = f.read()
+    if started != self.fingerprint:
+      if os.path.lexists(self.marker):
+        os.remove(self.marker)
+      shutil.rmtree(self.dir, ignore_errors=True)
+      with open(self.started, "w") as f:
+        f.write(self.fingerprint)
 
   def finish(self, info: dict) -> dict:
     info = dict(info, fingerprint=self.fingerprint)
@@ -146,6 +164,8 @@ def run(workdir: str | None = None, settings: DemoSettings = DemoSettings(), qui
     st = Stage(root, name, s.fingerprint(*fields))
     cached = st.done()
     say(f"[{name}] {title}" + (" (cached)" if cached else ""))
+    if not cached:
+      st.begin()
     return st, cached
 
   # 1. tokenizer
@@ -160,15 +180,15 @@ def run(workdir: str | None = None, settings: DemoSettings = DemoSettings(), qui
 
   # 2. target
   fields = ("tokenizer_texts", "vocab_size", "seq_len", "pretrain_conversations", "pretrain_steps",
-            "pretrain_batch", "pretrain_lr", "target_layers", "seed")
+            "pretrain_batch", "pretrain_lr", "target_hidden", "target_layers", "seed")
   st, info = stage("target_hf", fields, "pretraining a small Qwen3 target on ShareGPT (jitted trainer)")
   if not info:
     source = os.path.join(root, "pretrain.jsonl")
     _write_jsonl(source, _sharegpt_slice(0, s.pretrain_conversations))
     rows = data_lib.prepare_dataset(source, tokenizer, os.path.join(root, "pretrain_data"), seq_len=s.seq_len,
                                     pack=True)
-    cfg = dataclasses.replace(pretrain.default_demo_config(len(tokenizer), tokenizer.eos_token_id,
-                                                           tokenizer.pad_token_id), num_hidden_layers=s.target_layers)
+    cfg = pretrain.default_demo_config(len(tokenizer), tokenizer.eos_token_id, tokenizer.pad_token_id,
+                                       hidden_size=s.target_hidden, num_layers=s.target_layers)
     info = pretrain.pretrain_target(cfg, rows, st.dir, steps=s.pretrain_steps, batch_size=s.pretrain_batch,
                                     learning_rate=s.pretrain_lr, seed=s.seed, tokenizer_dir=tok_dir, progress=not quiet,
                                     log_dir=os.path.join(root, "pretrain_logs"), overwrite=True)
@@ -205,7 +225,7 @@ def run(workdir: str | None = None, settings: DemoSettings = DemoSettings(), qui
   regen_dir = st.dir
 
   # 5. train the head
-  fields_h = fields_r + ("head_layers", "head_block", "head_steps", "head_batch", "head_lr", "head_anchors")
+  fields_h = fields_r + ("head_layers", "head_block", "head_steps", "head_batch", "head_lr", "head_anchors", "head_loss")
   st, info = stage("head_run", fields_h, "training the JetSpec draft head on the regenerated data")
   if not info:
     c = load_config("tiny")
@@ -214,6 +234,7 @@ def run(workdir: str | None = None, settings: DemoSettings = DemoSettings(), qui
     c.data.seq_len, c.data.eval_examples = s.seq_len, 8
     c.train.steps, c.train.batch_size, c.train.learning_rate = s.head_steps, s.head_batch, s.head_lr
     c.train.num_anchors, c.train.chunk_anchors = s.head_anchors, min(s.head_anchors, 16)
+    c.train.loss = s.head_loss
     c.checkpoint.every = c.eval.every = max(s.head_steps // 2, 1)
     c.log_every, c.export_dtype = max(s.head_steps // 20, 1), "float32"
     info = st.finish(trainer.run(c, progress=not quiet))

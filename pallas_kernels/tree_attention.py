@@ -8,13 +8,21 @@ Same contract as ``jetspec_jax.attention.xla_attention`` (the reference):
   block_mask [B, T, T] bool   query i may see new key t; the diagonal is True
   returns    [B, T, Hq, Dh]   in q.dtype; scores, softmax and accumulation in float32.
 
-Kernel layout. The grid is (batch, kv head, row block). A tile's rows are the GQA group and the T
-query rows folded together, row r = t * group + g (query head kv_head * group + g, node t), so a
-small tree still fills a tile: a decode step with group 4 is one 16-row tile. Each program reads
-its kv head's prefix keys once, in blocks of ``block_k`` under a length mask only, then the
-tree's own keys (positions prefix_len + t) in blocks of ``block_t`` under the ancestor mask,
-with an online softmax in float32 (exp2 domain). The ancestor mask travels bit-packed: int32
-words [B, T, W], bit (t % 32) of word t // 32 of row i is block_mask[b, i, t].
+Kernel layout. The grid is (batch, kv head, row block, prefix split). A tile's rows are the GQA
+group and the T query rows folded together, row r = t * group + g (query head kv_head * group + g,
+node t), so a small tree still fills a tile: a decode step with group 4 is one 16-row tile. Each
+program reads its share of its kv head's prefix keys once, in blocks of ``block_k`` under a length
+mask only; the last split then reads the tree's own keys (positions prefix_len + t) in blocks of
+``block_t`` under the ancestor mask; online softmax in float32 (exp2 domain). The ancestor mask
+travels bit-packed: int32 words [B, T, W], bit (t % 32) of word t // 32 of row i is
+block_mask[b, i, t].
+
+Prefix splits (flash-decoding). A small tree at batch 1 has only (kv heads x row blocks)
+programs, too few to pull the prefix through HBM at full bandwidth, so the prefix is cut into
+``num_splits`` contiguous shares of whole key blocks, sized at run time from prefix_len[b]. With
+more than one split every program writes its unnormalised partial (acc, running max m, running sum
+l) in float32, and ``combine_splits`` (XLA) merges them: out = sum_s 2^(m_s - m) acc_s /
+sum_s 2^(m_s - m) l_s with m = max_s m_s. One split writes the normalised output directly.
 
 Triton's rules, which interpret mode does not enforce, are checked by ``launch_shapes``:
 every tile dimension is a power of two and every dot operand dimension is >= 16.
@@ -50,7 +58,9 @@ class LaunchShapes:
 
   block_r: rows per tile (GQA group x tree nodes, folded); block_k: prefix keys per step;
   block_t: tree keys per step; mask_words: int32 words per packed mask row, enough for every key
-  of every tree block (bits past T are zero); grid: (batch, kv heads, row blocks).
+  of every tree block (bits past T are zero); num_splits: prefix shares (see module docstring);
+  min_split_blocks: the fewest prefix key blocks a split takes, so the float32 partials stay
+  small next to the keys they summarise; grid: (batch, kv heads, row blocks, splits).
   """
   block_r: int
   block_k: int
@@ -58,7 +68,9 @@ class LaunchShapes:
   head_dim: int
   num_tree_blocks: int
   mask_words: int
-  grid: tuple[int, int, int]
+  num_splits: int
+  min_split_blocks: int
+  grid: tuple[int, int, int, int]
   num_warps: int
   num_stages: int
 
@@ -81,13 +93,19 @@ class LaunchShapes:
 
 
 def launch_shapes(batch: int, num_q: int, num_q_heads: int, num_kv_heads: int, head_dim: int, *,
-                  block_r: int = 64, block_k: int = 64, num_warps: int = 4,
+                  cache_len: int | None = None, block_r: int = 64, block_k: int = 64,
+                  num_splits: int | None = None, target_programs: int = 264, num_warps: int = 4,
                   num_stages: int = 2) -> LaunchShapes:
   """Tile sizes for a problem; raises ``JetSpecError`` for unsupported shapes or illegal tiles.
 
   ``block_r`` and ``block_k`` are upper bounds (powers of two >= 16): a tile never has more rows
   than the next power of two >= max(group * num_q, 16), and the tree step never has more keys
   than the next power of two >= max(num_q, 16).
+
+  ``num_splits=None`` picks the prefix splits: enough for about ``target_programs`` programs (two
+  waves of an H100/H200's 132 SMs), at most one per ``min_split_blocks`` key blocks of the cache
+  (``cache_len``; one split when it is not given), where a split spans at least 8 * block_r keys
+  (its partials then cost at most a quarter of its key/value bytes) and at least 256 keys.
   """
   if head_dim not in SUPPORTED_HEAD_DIMS:
     raise JetSpecError(f"tree attention supports head_dim {SUPPORTED_HEAD_DIMS}, not {head_dim}.")
@@ -98,14 +116,23 @@ def launch_shapes(batch: int, num_q: int, num_q_heads: int, num_kv_heads: int, h
   for name, value in (("block_r", block_r), ("block_k", block_k)):
     if not _is_pow2(value) or value < MIN_DOT_DIM:
       raise JetSpecError(f"{name}={value} must be a power of two >= {MIN_DOT_DIM}.")
+  if num_splits is not None and num_splits < 1:
+    raise JetSpecError(f"num_splits={num_splits} must be at least 1 (or None to choose).")
   rows = num_q_heads // num_kv_heads * num_q
   block_r = min(block_r, pl.next_power_of_2(max(rows, MIN_DOT_DIM)))
   block_t = min(block_k, pl.next_power_of_2(max(num_q, MIN_DOT_DIM)))
   num_tree_blocks = pl.cdiv(num_q, block_t)
+  row_blocks = pl.cdiv(rows, block_r)
+  min_split_blocks = pl.cdiv(max(8 * block_r, 256), block_k)
+  if num_splits is None:
+    by_programs = max(target_programs // (batch * num_kv_heads * row_blocks), 1)
+    by_length = max(pl.cdiv(cache_len or 0, block_k) // min_split_blocks, 1)
+    num_splits = min(by_programs, by_length)
   shapes = LaunchShapes(
       block_r=block_r, block_k=block_k, block_t=block_t, head_dim=head_dim,
       num_tree_blocks=num_tree_blocks, mask_words=pl.cdiv(num_tree_blocks * block_t, MASK_BITS),
-      grid=(batch, num_kv_heads, pl.cdiv(rows, block_r)), num_warps=num_warps, num_stages=num_stages)
+      num_splits=num_splits, min_split_blocks=min_split_blocks,
+      grid=(batch, num_kv_heads, row_blocks, num_splits), num_warps=num_warps, num_stages=num_stages)
   if problems := shapes.triton_violations():
     raise JetSpecError(f"illegal Triton launch for this problem: {'; '.join(problems)}.")
   return shapes
@@ -139,16 +166,19 @@ def _online_softmax_step(carry, scores, visible, v):
   return acc, m_next, l_next
 
 
-def _kernel(prefix_ref, q_ref, k_ref, v_ref, words_ref, o_ref, *, shapes: LaunchShapes,
+def _kernel(prefix_ref, q_ref, k_ref, v_ref, words_ref, *out_refs, shapes: LaunchShapes,
             group: int, num_q: int, qk_scale: float):
-  """One (batch, kv head, row block) tile.
+  """One (batch, kv head, row block, split) tile.
 
-  Refs: prefix_ref [B] int32; q_ref, o_ref [T, Hq, Dh] (this batch row); k_ref, v_ref [S, Dh]
-  (this batch row and kv head); words_ref [T, W] int32 (this batch row's packed mask).
+  Refs: prefix_ref [B] int32; q_ref [T, Hq, Dh] (this batch row); k_ref, v_ref [S, Dh] (this batch
+  row and kv head); words_ref [T, W] int32 (this batch row's packed mask). out_refs: o_ref
+  [T, Hq, Dh] with one split, else the partials acc_ref [T, Hq, Dh] f32, m_ref and l_ref [T, Hq]
+  f32 (this batch row and split).
   """
   block_r, block_k, block_t = shapes.block_r, shapes.block_k, shapes.block_t
   cache_len = k_ref.shape[0]
   prefix = prefix_ref[pl.program_id(0)]
+  split = pl.program_id(3)
   rows = pl.program_id(2) * block_r + jnp.arange(block_r)
   node = rows // group                       # tree node of each row; >= T on padding rows
   node_in = jnp.minimum(node, num_q - 1)     # padding rows recompute the last node, never stored
@@ -167,6 +197,11 @@ def _kernel(prefix_ref, q_ref, k_ref, v_ref, words_ref, o_ref, *, shapes: Launch
     return k, v
 
   prefix_end = jnp.minimum(prefix, cache_len)
+  prefix_blocks = pl.cdiv(prefix_end, block_k)
+  # This split's share of the prefix key blocks: contiguous, balanced for this row's prefix_len.
+  share = jnp.maximum(pl.cdiv(prefix_blocks, shapes.num_splits), shapes.min_split_blocks)
+  first_block = jnp.minimum(split * share, prefix_blocks)
+  last_block = jnp.minimum(first_block + share, prefix_blocks)
 
   def prefix_step(j, carry):
     keys = j * block_k + jnp.arange(block_k)
@@ -175,7 +210,7 @@ def _kernel(prefix_ref, q_ref, k_ref, v_ref, words_ref, o_ref, *, shapes: Launch
     scores = plgpu.dot(q, k, trans_b=True) * qk_scale
     return _online_softmax_step(carry, scores, valid[None, :], v)
 
-  carry = lax.fori_loop(0, pl.cdiv(prefix_end, block_k), prefix_step, carry)
+  carry = lax.fori_loop(first_block, last_block, prefix_step, carry)
 
   def tree_step(j, carry):
     keys = j * block_t + jnp.arange(block_t)          # index t into the new rows
@@ -186,23 +221,43 @@ def _kernel(prefix_ref, q_ref, k_ref, v_ref, words_ref, o_ref, *, shapes: Launch
     bits = lax.shift_right_logical(words, (keys % MASK_BITS)[None, :]) & 1
     return _online_softmax_step(carry, scores, (bits != 0) & valid[None, :], v)
 
-  acc, _, l = lax.fori_loop(0, shapes.num_tree_blocks, tree_step, carry)
-  out = (acc / l[:, None]).astype(o_ref.dtype)
+  # The last split also reads the tree's keys. (Integer arithmetic, not jnp.where: the Triton
+  # lowering of a select between two constants yields i1, which scf.for rejects as a bound.)
+  tree_blocks = (split + 1) // shapes.num_splits * shapes.num_tree_blocks
+  acc, m, l = lax.fori_loop(0, tree_blocks, tree_step, carry)
+  stored = node < num_q
   dims = jnp.arange(head_dim)
-  plgpu.store(o_ref.at[node[:, None], head[:, None], dims[None, :]], out,
-              mask=(node < num_q)[:, None])
+  at_rows = lambda ref: ref.at[node[:, None], head[:, None], dims[None, :]]
+  if shapes.num_splits == 1:
+    (o_ref,) = out_refs
+    plgpu.store(at_rows(o_ref), (acc / l[:, None]).astype(o_ref.dtype), mask=stored[:, None])
+  else:
+    acc_ref, m_ref, l_ref = out_refs
+    plgpu.store(at_rows(acc_ref), acc, mask=stored[:, None])
+    plgpu.store(m_ref.at[node, head], m, mask=stored)
+    plgpu.store(l_ref.at[node, head], l, mask=stored)
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "interpret", "block_r", "block_k",
+def combine_splits(acc: jax.Array, m: jax.Array, l: jax.Array, dtype) -> jax.Array:
+  """Merge per-split partials: acc [B, P, T, Hq, Dh], m and l [B, P, T, Hq] (log2 domain, float32;
+  a split that saw no key has m = -inf and l = 0) -> attention [B, T, Hq, Dh] in ``dtype``."""
+  m_max = jnp.max(m, axis=1, keepdims=True)            # finite: the last split saw the diagonal
+  weight = jnp.where(m == -jnp.inf, 0.0, jnp.exp2(m - m_max))
+  num = jnp.sum(weight[..., None] * acc, axis=1)
+  return (num / jnp.sum(weight * l, axis=1)[..., None]).astype(dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "interpret", "block_r", "block_k", "num_splits",
                                              "num_warps", "num_stages", "debug"))
 def tree_attention(q, k_cache, v_cache, prefix_len, block_mask, *, sm_scale: float | None = None,
                    interpret: bool = False, block_r: int = 64, block_k: int = 64,
-                   num_warps: int = 4, num_stages: int = 2, debug: bool = False):
+                   num_splits: int | None = None, num_warps: int = 4, num_stages: int = 2,
+                   debug: bool = False):
   """Tree-masked attention with the Pallas Triton kernel (shapes in the module docstring).
 
-  ``interpret=True`` runs the kernel on any backend; ``block_r``, ``block_k``, ``num_warps`` and
-  ``num_stages`` are tuning knobs (see ``launch_shapes``); ``debug=True`` prints the kernel jaxpr
-  and, when lowered for a GPU, its Triton IR.
+  ``interpret=True`` runs the kernel on any backend; ``block_r``, ``block_k``, ``num_splits``,
+  ``num_warps`` and ``num_stages`` are tuning knobs (see ``launch_shapes``); ``debug=True`` prints
+  the kernel jaxpr and, when lowered for a GPU, its Triton IR.
   """
   if q.ndim != 4 or k_cache.ndim != 4:
     raise JetSpecError(
@@ -220,22 +275,32 @@ def tree_attention(q, k_cache, v_cache, prefix_len, block_mask, *, sm_scale: flo
   if q.dtype != k_cache.dtype or q.dtype != v_cache.dtype or q.dtype not in SUPPORTED_DTYPES:
     raise JetSpecError(f"q, k_cache and v_cache must share one of float32/bfloat16/float16, "
                        f"got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}.")
-  shapes = launch_shapes(batch, num_q, num_q_heads, num_kv_heads, head_dim, block_r=block_r,
-                         block_k=block_k, num_warps=num_warps, num_stages=num_stages)
+  shapes = launch_shapes(batch, num_q, num_q_heads, num_kv_heads, head_dim, cache_len=cache_len - num_q,
+                         block_r=block_r, block_k=block_k, num_splits=num_splits, num_warps=num_warps,
+                         num_stages=num_stages)
   scale = head_dim ** -0.5 if sm_scale is None else sm_scale
   kernel = functools.partial(_kernel, shapes=shapes, group=num_q_heads // num_kv_heads,
                              num_q=num_q, qk_scale=scale * _LOG2E)
-  per_batch_q = pl.BlockSpec((None, num_q, num_q_heads, head_dim), lambda b, h, r: (b, 0, 0, 0))
-  per_head_kv = pl.BlockSpec((None, None, cache_len, head_dim), lambda b, h, r: (b, h, 0, 0))
-  return pl.pallas_call(
+  per_batch_q = pl.BlockSpec((None, num_q, num_q_heads, head_dim), lambda b, h, r, s: (b, 0, 0, 0))
+  per_head_kv = pl.BlockSpec((None, None, cache_len, head_dim), lambda b, h, r, s: (b, h, 0, 0))
+  if shapes.num_splits == 1:
+    out_specs, out_shape = per_batch_q, jax.ShapeDtypeStruct(q.shape, q.dtype)
+  else:
+    parts = (batch, shapes.num_splits, num_q, num_q_heads)
+    out_specs = (pl.BlockSpec((None, None, num_q, num_q_heads, head_dim), lambda b, h, r, s: (b, s, 0, 0, 0)),
+                 *[pl.BlockSpec((None, None, num_q, num_q_heads), lambda b, h, r, s: (b, s, 0, 0))] * 2)
+    out_shape = (jax.ShapeDtypeStruct(parts + (head_dim,), jnp.float32),
+                 *[jax.ShapeDtypeStruct(parts, jnp.float32)] * 2)
+  out = pl.pallas_call(
       kernel,
       grid=shapes.grid,
-      in_specs=[pl.BlockSpec((batch,), lambda b, h, r: (0,)), per_batch_q, per_head_kv, per_head_kv,
-                pl.BlockSpec((None, num_q, shapes.mask_words), lambda b, h, r: (b, 0, 0))],
-      out_specs=per_batch_q,
-      out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+      in_specs=[pl.BlockSpec((batch,), lambda b, h, r, s: (0,)), per_batch_q, per_head_kv, per_head_kv,
+                pl.BlockSpec((None, num_q, shapes.mask_words), lambda b, h, r, s: (b, 0, 0))],
+      out_specs=out_specs,
+      out_shape=out_shape,
       compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
       interpret=interpret,
       debug=debug,
       name="tree_attention",
   )(prefix_len.astype(jnp.int32), q, k_cache, v_cache, pack_block_mask(block_mask, shapes.mask_words))
+  return out if shapes.num_splits == 1 else combine_splits(*out, q.dtype)

@@ -72,3 +72,20 @@ def test_rerun_reuses_every_stage(result):
   assert [os.stat(p).st_mtime_ns for p in outputs] == mtimes      # nothing was rebuilt
   assert again["stages"]["train_head"]["fingerprint"] == result["stages"]["train_head"]["fingerprint"]
   assert again["seconds"] < result["seconds"]
+
+
+def test_stage_discards_output_of_other_settings(tmp_path):
+  """A stage resumes a partial output of its own settings and never one left by other settings
+  (a changed head setting must retrain from scratch, not resume the old run's checkpoints)."""
+  first = demo.Stage(str(tmp_path), "head_run", "aaa")
+  first.begin()
+  os.makedirs(first.dir)
+  open(os.path.join(first.dir, "checkpoint"), "w").close()
+  demo.Stage(str(tmp_path), "head_run", "aaa").begin()                 # interrupted, same settings
+  assert os.path.exists(os.path.join(first.dir, "checkpoint"))
+  first.finish({})
+  assert demo.Stage(str(tmp_path), "head_run", "aaa").done() is not None
+  other = demo.Stage(str(tmp_path), "head_run", "bbb")
+  assert other.done() is None
+  other.begin()
+  assert not os.path.exists(first.dir) and first.done() is None

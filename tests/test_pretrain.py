@@ -180,4 +180,8 @@ def test_default_demo_config():
   cfg = pretrain.default_demo_config(4096, eos_id=7, pad_id=5)
   cfg.validate()
   assert cfg.tie_word_embeddings and cfg.eos_token_ids == (7,) and cfg.pad_token_id == 5
-  assert 1e6 <= pretrain.num_params(cfg) <= 2e7 and cfg.hidden_size == 256
+  assert 1e6 <= pretrain.num_params(cfg) <= 2e7 and cfg.hidden_size == 128
+  assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size) == (2, 1, 384)
+  wide = pretrain.default_demo_config(4096, eos_id=7, pad_id=5, hidden_size=256, num_layers=3)
+  assert (wide.num_attention_heads, wide.num_key_value_heads, wide.intermediate_size, wide.num_hidden_layers) == (
+      4, 2, 768, 3)

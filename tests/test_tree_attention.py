@@ -107,6 +107,35 @@ def test_unused_cache_rows_are_never_read():
   assert _rel_err(out, xla_attention(q, k, v, prefix_len, mask)) <= 1e-5
 
 
+# (num_q, group, prefix per batch row, num_splits): splits that share the prefix unevenly, splits
+# left empty by a short or zero prefix, and more splits than prefix blocks.
+SPLIT_CASES = [(1, 4, (1000, 0), 3), (5, 8, (127, 1000), 4), (16, 1, (1, 700), 2), (100, 4, (1000, 0), 5),
+               (3, 4, (0, 0), 4)]
+
+
+@pytest.mark.parametrize("case", SPLIT_CASES, ids=lambda c: f"N{c[0]}-g{c[1]}-p{'_'.join(map(str, c[2]))}-s{c[3]}")
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
+def test_prefix_splits_match_xla(case, dtype):
+  """Flash-decoding: the prefix cut into splits whose float32 partials are merged afterwards."""
+  num_q, group, prefixes, num_splits = case
+  args = _problem(zlib.crc32(repr((case, jnp.dtype(dtype).name)).encode()), num_q=num_q, group=group,
+                  prefixes=prefixes, tree="random", head_dim=64, dtype=dtype, num_kv=2)
+  out = ta.tree_attention(*args, interpret=True, num_splits=num_splits, block_r=16, block_k=16)
+  assert out.shape == args[0].shape and out.dtype == args[0].dtype
+  assert _rel_err(out, xla_attention(*args)) <= TOLERANCE[dtype]
+
+
+def test_default_splits_follow_the_grid():
+  """Auto splits: about target_programs programs, each split at least 256 keys and 8 tiles of rows."""
+  decode = ta.launch_shapes(1, 1, 32, 8, 128, cache_len=16384)
+  assert decode.grid == (1, 8, 1, 33)                                 # 264 // (8 heads x 1 row block)
+  big_tree = ta.launch_shapes(1, 256, 32, 8, 128, cache_len=4096)      # 16 row blocks x 8 heads
+  assert big_tree.num_splits == 2 and big_tree.min_split_blocks * big_tree.block_k == 512
+  assert ta.launch_shapes(1, 16, 32, 8, 128, cache_len=300).num_splits == 1
+  assert ta.launch_shapes(1, 16, 32, 8, 128).num_splits == 1          # no cache length given
+  assert ta.launch_shapes(64, 1, 32, 8, 128, cache_len=16384).num_splits == 1
+
+
 def test_attention_dispatch_uses_kernel():
   args = _problem(zlib.crc32(b"dispatch"), num_q=3, group=2, prefixes=(5, 40), tree="random",
                   head_dim=64, dtype=jnp.float32)
@@ -153,6 +182,8 @@ def test_triton_ir_obeys_tile_rules(num_q, head_dim, capsys):
   """Every tensor in the emitted Triton IR has power-of-two dims; every dot operand dim >= 16."""
   _lower_for_cuda(num_q, head_dim, debug=True)
   ir = capsys.readouterr().out.split("The Triton module for pallas_call")[-1]
+  # MLIR falls back to the generic form ("tt.dot"(...)) only for a module that fails to verify.
+  assert '"tt.dot"' not in ir and '"scf.for"' not in ir, "the Triton module does not verify"
   tensor_dims = [[int(d) for d in m.split("x")] for m in re.findall(r"tensor<((?:\d+x)*\d+)x", ir)]
   assert tensor_dims and all(d & (d - 1) == 0 for dims in tensor_dims for d in dims)
   dots = re.findall(r"tt\.dot .*?: tensor<(\d+)x(\d+)x\w+> \* tensor<(\d+)x(\d+)x\w+>", ir)
