@@ -67,10 +67,10 @@ class DemoSettings:
     return hashlib.sha256(json.dumps({f: getattr(self, f) for f in fields}).encode()).hexdigest()[:12]
 
 
-QUICK = DemoSettings(tokenizer_texts=300, vocab_size=512, seq_len=96, pretrain_conversations=400, pretrain_steps=60,
-                     pretrain_batch=8, regen_conversations=48, regen_max_new_tokens=32, regen_batch=16,
-                     head_steps=120, head_batch=8, head_anchors=16, bench_prompts=2, bench_prompt_len=24,
-                     bench_new_tokens=24, bench_budgets=(16, 64), bench_repeats=1)
+QUICK = DemoSettings(tokenizer_texts=300, vocab_size=512, seq_len=96, pretrain_conversations=400, pretrain_steps=150,
+                     pretrain_batch=8, regen_conversations=96, regen_max_new_tokens=64, regen_batch=16,
+                     head_steps=300, head_batch=16, head_anchors=16, bench_prompts=2, bench_prompt_len=24,
+                     bench_new_tokens=48, bench_budgets=(16, 64), bench_repeats=1)
 
 
 def default_workdir() -> str:

@@ -50,3 +50,24 @@ def jax_target(hf_dir):
 def eight_devices():
   if jax.device_count() < 8:
     pytest.skip("needs 8 devices (run via scripts/test.sh: XLA_FLAGS=--xla_force_host_platform_device_count=8)")
+
+
+@pytest.fixture
+def triton_modules(monkeypatch):
+  """Collects every Triton module that Pallas lowers during a test and whether MLIR verifies it
+  (the CUDA custom call is emitted even for a module that does not verify, which would only fail
+  on a GPU). Yields a list of (kernel name, error or None). Uses jax's private lowering hook."""
+  from jax._src.pallas.triton import lowering
+  seen, lower = [], lowering.lower_jaxpr_to_triton_module
+
+  def checked(jaxpr, *args, **kwargs):
+    result = lower(jaxpr, *args, **kwargs)
+    try:
+      result.module.operation.verify()
+      seen.append((str(jaxpr.debug_info.func_name), None))
+    except Exception as e:  # noqa: BLE001  (MLIR raises its own error type)
+      seen.append((str(jaxpr.debug_info.func_name), str(e).splitlines()[:3]))
+    return result
+
+  monkeypatch.setattr(lowering, "lower_jaxpr_to_triton_module", checked)
+  return seen

@@ -56,3 +56,51 @@ def test_speculative_loop_on_a_2x2_mesh(impl):
   out = generate_speculative(tp, CFG, hp, hcfg, PROMPTS, max_new_tokens=10, tree_cfg=TREE, attn_impl=impl,
                              mesh=mesh)
   assert out["token_ids"] == reference()
+
+
+def _long_prompts():
+  rng = np.random.default_rng(7)
+  return [rng.integers(1, CFG.vocab_size, size=560).tolist(), rng.integers(1, CFG.vocab_size, size=300).tolist()]
+
+
+def test_prefix_splits_in_the_loops_match_xla():
+  """Long prompts make the kernel split the prefix (flash-decoding) in verify and AR steps alike."""
+  from pallas_kernels.tree_attention import launch_shapes
+  from jetspec_jax.decode.speculative import cache_lengths
+  tp, hcfg, hp = models()
+  prompts, new = _long_prompts(), 8
+  target_len, _ = cache_lengths(560, new, hcfg, TREE)
+  for num_q in (TREE.num_nodes(), 1):
+    shapes = launch_shapes(2, num_q, CFG.num_attention_heads, CFG.num_key_value_heads, CFG.head_dim,
+                           cache_len=target_len - num_q)
+    assert shapes.num_splits >= 2
+  ref = generate_speculative(tp, CFG, hp, hcfg, prompts, max_new_tokens=new, tree_cfg=TREE)["token_ids"]
+  out = generate_speculative(tp, CFG, hp, hcfg, prompts, max_new_tokens=new, tree_cfg=TREE,
+                             attn_impl="pallas_interpret")
+  assert out["token_ids"] == ref
+  assert generate_ar(tp, CFG, prompts, max_new_tokens=new, attn_impl="pallas_interpret")["token_ids"] == ref
+
+
+def test_decode_loops_lower_for_cuda_with_the_kernel(triton_modules):
+  """The whole jitted speculative loop and AR loop, attention "pallas", lower for a GPU on this CPU
+  machine: every attention of the target is one Triton call, and the module verifies."""
+  from jetspec_jax.decode import loop, speculative
+  tp, hcfg, hp = models()
+  tokens, lengths = loop.batch_prompts(PROMPTS, CFG.vocab_size)
+  target_len, draft_len = speculative.cache_lengths(tokens.shape[1], 10, hcfg, TREE)
+  base, taps = loop.prefill(tp, qwen3.init_cache(CFG, 2, target_len, tp["embed"].dtype), tokens, lengths,
+                            jax.random.key(0), cfg=CFG, max_new_tokens=10, eos_ids=(), temperature=0.0,
+                            attn_impl="xla", tap_layers=hcfg.target_layer_ids)
+  draft_cache = speculative.prefill_context(hp, draft_head.init_context_cache(hcfg, 2, draft_len, hp["fc"].dtype),
+                                            taps, cfg=CFG, head_cfg=hcfg)
+  state = speculative.SpecState(base=base, draft_cache=draft_cache, rounds=jax.numpy.zeros((2,), "int32"),
+                                depth_hist=jax.numpy.zeros((2, TREE.depth + 1), "int32"))
+  lowered = {
+      "speculative": speculative.spec_decode.trace(tp, hp, state, cfg=CFG, head_cfg=hcfg, tree_cfg=TREE, eos_ids=(),
+                                                   attn_impl="pallas"),
+      "ar": loop.ar_decode.trace(tp, base, cfg=CFG, eos_ids=(), temperature=0.0, attn_impl="pallas"),
+  }
+  for name, traced in lowered.items():
+    text = traced.lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("__gpu$xla.gpu.triton") >= CFG.num_hidden_layers, name
+  assert triton_modules and all(error is None for _, error in triton_modules), triton_modules

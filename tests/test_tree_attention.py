@@ -171,10 +171,11 @@ def _lower_for_cuda(num_q: int, head_dim: int, *, debug: bool = False) -> str:
 
 
 @pytest.mark.parametrize("num_q,head_dim", LOWERING)
-def test_lowers_to_one_triton_call_for_cuda(num_q, head_dim):
+def test_lowers_to_one_triton_call_for_cuda(num_q, head_dim, triton_modules):
   text = _lower_for_cuda(num_q, head_dim)
   assert text.count(TRITON_CALL) == 1
   assert "num_warps = 4" in text
+  assert [error for _, error in triton_modules] == [None]           # the Triton module verifies
 
 
 @pytest.mark.parametrize("num_q,head_dim", [(1, 128), (5, 128), (100, 64), (512, 128)])
