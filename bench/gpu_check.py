@@ -4,7 +4,11 @@ Kernel section: the Pallas tree-attention kernel against the XLA reference for Q
 (B=1, 32 query heads, 8 kv heads, head_dim 128, bf16), N tree nodes x prefix length. Per row:
 error vs XLA, the prefix splits the kernel chose, median kernel time with those splits and with
 one split (no flash-decoding), XLA time, and the kernel's achieved bandwidth counting the K/V of
-prefix + N keys read once, as a fraction of the device's HBM bandwidth.
+prefix + N keys read once, as a fraction of the device's HBM bandwidth. Because a tree of N nodes
+does 4 * N * group FLOPs per K/V byte read (Qwen3-8B: group 4, so N = 128 is 512 FLOP/B, past an
+H200's ridge of ~206 FLOP/B), large trees are compute-bound: each row also gives the roofline floor
+max(bytes / HBM bandwidth, FLOPs / peak bf16 tensor FLOP/s), which bound sets it, and the kernel's
+fraction of that floor.
 
   python bench/gpu_check.py                 # on the GPU; JSON to $OUT/gpu_check.json when $OUT is set
   python bench/gpu_check.py --smoke         # on CPU: tiny shapes, kernel in interpret mode
@@ -32,6 +36,7 @@ from jetspec_jax.attention import xla_attention
 from pallas_kernels.tree_attention import launch_shapes, tree_attention
 
 HBM_BYTES_PER_S = {"H200": 4.8e12, "H100": 3.35e12}   # matched against jax device_kind
+DENSE_BF16_FLOPS = {"H200": 989e12, "H100": 989e12}   # SXM tensor-core peak, no sparsity
 REL_TOLERANCE = {"bfloat16": 1e-2, "float32": 1e-5}
 
 
@@ -50,11 +55,11 @@ SMOKE = AttentionShape(batch=1, num_q_heads=4, num_kv_heads=2, head_dim=64, dtyp
 SWEEP = {"full": ((1, 16, 64, 128, 256), (1024, 4096, 16384)), "smoke": ((1, 5), (3, 600))}
 
 
-def hbm_bytes_per_s(device_kind: str, gbps_flag: float | None) -> float | None:
-  """Peak HBM bandwidth: the --hbm-gbps flag if given, else by device kind, else unknown."""
-  if gbps_flag is not None:
-    return gbps_flag * 1e9
-  return next((bw for name, bw in HBM_BYTES_PER_S.items() if name in device_kind), None)
+def device_peak(table: dict[str, float], device_kind: str, flag: float | None, unit: float) -> float | None:
+  """A device peak: the flag (in ``unit``s) if given, else by device kind from ``table``, else unknown."""
+  if flag is not None:
+    return flag * unit
+  return next((peak for name, peak in table.items() if name in device_kind), None)
 
 
 def random_tree_mask(rng: np.random.Generator, batch: int, num_nodes: int) -> np.ndarray:
@@ -92,7 +97,7 @@ def median_seconds(fn, args, *, iters: int, reps: int) -> float:
   return statistics.median(samples)
 
 
-def kernel_section(*, smoke: bool, iters: int, reps: int, hbm: float | None,
+def kernel_section(*, smoke: bool, iters: int, reps: int, hbm: float | None, flops_peak: float | None,
                    tuning: dict) -> list[dict]:
   """Kernel vs XLA over the N x prefix sweep; one row (a dict) per problem."""
   shape = SMOKE if smoke else QWEN3_8B
@@ -114,12 +119,18 @@ def kernel_section(*, smoke: bool, iters: int, reps: int, hbm: float | None,
                              cache_len=prefix, **tuning).num_splits
       xla_s = median_seconds(reference, args, iters=iters, reps=reps)
       kv_bytes = 2 * shape.batch * shape.num_kv_heads * (prefix + num_nodes) * shape.head_dim * itemsize
+      flops = 4 * shape.batch * num_nodes * shape.num_q_heads * (prefix + num_nodes) * shape.head_dim
+      floors = {"memory": None if hbm is None else kv_bytes / hbm,
+                "compute": None if flops_peak is None else flops / flops_peak}
+      bound = max((k for k in floors if floors[k] is not None), key=floors.get, default=None)
       rows.append(dict(
           n=num_nodes, prefix=prefix, max_abs_err=max_err,
           rel_err=max_err / float(np.max(np.abs(ref))), splits=splits, kernel_us=kernel_s * 1e6,
           one_split_us=one_split_s * 1e6, xla_us=xla_s * 1e6,
           speedup=xla_s / kernel_s, kv_bytes=kv_bytes, kernel_gbps=kv_bytes / kernel_s / 1e9,
-          hbm_fraction=None if hbm is None else kv_bytes / kernel_s / hbm))
+          hbm_fraction=None if hbm is None else kv_bytes / kernel_s / hbm,
+          bound=bound or "-", floor_us=None if bound is None else floors[bound] * 1e6,
+          roofline_fraction=None if bound is None else floors[bound] / kernel_s))
   return rows
 
 
@@ -176,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--smoke", action="store_true", help="tiny shapes, kernel in interpret mode (CPU)")
   parser.add_argument("--hbm-gbps", type=float, help="peak HBM bandwidth in GB/s for unknown devices")
+  parser.add_argument("--peak-tflops", type=float, help="peak dense bf16 TFLOP/s for unknown devices")
   parser.add_argument("--iters", type=int, default=20, help="timing samples per measurement")
   parser.add_argument("--reps", type=int, default=10, help="back-to-back calls per timing sample")
   parser.add_argument("--block-r", type=int, default=64)
@@ -192,21 +204,24 @@ def main(argv: list[str] | None = None) -> int:
     args.iters, args.reps = min(args.iters, 3), 1
 
   device = jax.devices()[0]
-  hbm = hbm_bytes_per_s(device.device_kind, args.hbm_gbps)
+  hbm = device_peak(HBM_BYTES_PER_S, device.device_kind, args.hbm_gbps, 1e9)
+  flops_peak = device_peak(DENSE_BF16_FLOPS, device.device_kind, args.peak_tflops, 1e12)
   tuning = dict(block_r=args.block_r, block_k=args.block_k, num_warps=args.num_warps,
                 num_stages=args.num_stages, num_splits=args.num_splits)
-  rows = kernel_section(smoke=args.smoke, iters=args.iters, reps=args.reps, hbm=hbm, tuning=tuning)
+  rows = kernel_section(smoke=args.smoke, iters=args.iters, reps=args.reps, hbm=hbm, flops_peak=flops_peak,
+                        tuning=tuning)
   shape = SMOKE if args.smoke else QWEN3_8B
   failed = [r for r in rows if not r["rel_err"] <= REL_TOLERANCE[shape.dtype]]
 
   print(f"device: {device.device_kind} ({device.platform}), jax {jax.__version__}, "
-        f"HBM {'unknown' if hbm is None else f'{hbm / 1e12:.2f} TB/s'}")
+        f"HBM {'unknown' if hbm is None else f'{hbm / 1e12:.2f} TB/s'}, "
+        f"bf16 peak {'unknown' if flops_peak is None else f'{flops_peak / 1e12:.0f} TFLOP/s'}")
   print(f"\nkernel vs XLA, {shape}, tuning {tuning}:")
   print(format_table(rows))
   print(f"\nkernel errors within {REL_TOLERANCE[shape.dtype]:g}: {len(rows) - len(failed)}/{len(rows)}")
 
   report = dict(device_kind=device.device_kind, platform=device.platform, jax_version=jax.__version__,
-                hbm_bytes_per_s=hbm, smoke=args.smoke, iters=args.iters, reps=args.reps,
+                hbm_bytes_per_s=hbm, dense_bf16_flops=flops_peak, smoke=args.smoke, iters=args.iters, reps=args.reps,
                 kernel=dict(shape=dataclasses.asdict(shape), tuning=tuning, rows=rows))
   if not args.skip_decode:
     impl = "pallas_interpret" if args.smoke else ("pallas" if device.platform == "gpu" else "xla")
