@@ -22,7 +22,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.data.source = "jsonl"             # jsonl | sharegpt
   c.data.path = ""                    # JSONL of {"messages": [...]} (e.g. `jetspec-jax regenerate` output)
   c.data.seq_len = 512
-  c.data.pack = False
+  c.data.pack = False                 # True: several conversations per row, each seen on its own
   c.data.enable_thinking = False
   c.data.eval_examples = 8            # held out for tau evaluation
   c.data.limit = 0                    # 0: all examples

@@ -265,3 +265,62 @@ def test_bad_options_are_rejected():
     run(gamma=0.0)
   with pytest.raises(JetSpecError, match="temperature"):
     run(temperature=0.0)
+
+
+# ---- (f) packed rows -------------------------------------------------------------------------------
+def test_packed_row_gives_the_sums_of_its_conversations_in_separate_rows():
+  """Two conversations packed in one row (segment mask in the target, positions restarting, blocks
+  kept inside their conversation) give the same target states, head states and loss as the same
+  conversations in two padded rows, with the same anchors."""
+  from jetspec_jax.train.trainer import target_states
+  cfg, hp = make_head()
+  tp = target_params()
+  rng = np.random.default_rng(11)
+  len_a, len_b = 10, 12
+  conv = [rng.integers(0, TARGET.vocab_size - 1, size=n).astype(np.int32) for n in (len_a, len_b)]
+  separate = np.zeros((2, L), np.int32)
+  separate[0, :len_a], separate[1, :len_b] = conv
+  sep_mask = np.zeros((2, L), np.int32)
+  sep_mask[0, 4:len_a], sep_mask[1, 5:len_b] = 1, 1
+  sep_seg = (np.arange(L)[None] < np.array([[len_a], [len_b]])).astype(np.int32)
+  sep_pos = np.broadcast_to(np.arange(L, dtype=np.int32), (2, L))
+  packed = np.zeros((1, L), np.int32)
+  packed[0, :len_a + len_b] = np.concatenate(conv)
+  pk_mask = np.concatenate([sep_mask[0, :len_a], sep_mask[1, :len_b], np.zeros(L - len_a - len_b, np.int32)])[None]
+  pk_seg = np.repeat([1, 2, 0], [len_a, len_b, L - len_a - len_b])[None].astype(np.int32)
+  pk_pos = np.concatenate([np.arange(len_a), np.arange(len_b), np.zeros(L - len_a - len_b)])[None].astype(np.int32)
+
+  states = jax.jit(target_states, static_argnums=(1, 5))
+  sep_hidden, sep_feats = states(tp, TARGET, separate, sep_seg, sep_pos, cfg.target_layer_ids)
+  pk_hidden, pk_feats = states(tp, TARGET, packed, pk_seg, pk_pos, cfg.target_layer_ids)
+  for pk, sep in ((pk_hidden, sep_hidden), (pk_feats, sep_feats)):
+    np.testing.assert_allclose(np.asarray(pk[0, :len_a]), np.asarray(sep[0, :len_a]), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(pk[0, len_a:len_a + len_b]), np.asarray(sep[1, :len_b]),
+                               rtol=1e-5, atol=1e-5)
+
+  # Anchor 6 of A has slots reaching into B (packed) or into padding (separate): both invalid.
+  sep_anchors, sep_valid = np.array([[3, 6], [4, 9]], np.int32), np.ones((2, 2), bool)
+  pk_anchors, pk_valid = np.array([[3, 6, len_a + 4, len_a + 9]], np.int32), np.ones((1, 4), bool)
+  run = lambda *a, seg, pos: draft_loss(hp, cfg, tp, TARGET, *a, segment_ids=seg, positions=pos, loss="kl",
+                                        temperature=1.0, gamma=None, chunk_size=2)
+  sep_value, sep_m = run(sep_feats, sep_hidden, separate, sep_mask, sep_anchors, sep_valid, seg=sep_seg, pos=sep_pos)
+  pk_value, pk_m = run(pk_feats, pk_hidden, packed, pk_mask, pk_anchors, pk_valid, seg=pk_seg, pos=pk_pos)
+  assert float(pk_m["num_valid"]) == float(sep_m["num_valid"]) == 3 + 4 + 4 + 2
+  np.testing.assert_allclose(float(pk_value), float(sep_value), rtol=1e-5)
+  np.testing.assert_allclose(np.asarray(pk_m["top1_acc"]), np.asarray(sep_m["top1_acc"]), atol=1e-6)
+  pk_states = np.asarray(block_hidden(hp, cfg, tp, pk_feats, packed, pk_anchors, pk_seg, pk_pos))
+  sep_states = np.asarray(block_hidden(hp, cfg, tp, sep_feats, separate, sep_anchors, sep_seg, sep_pos))
+  np.testing.assert_allclose(pk_states[0], sep_states.reshape(4, BS, -1), rtol=1e-5, atol=1e-5)
+
+
+def test_anchors_stay_inside_their_conversation():
+  """A response token that starts the next packed conversation never makes the previous token an anchor."""
+  mask = np.zeros((1, L), np.int32)
+  mask[0, 5:12] = 1                                       # 10, 11 belong to conversation 2
+  seg = np.repeat([1, 2], [10, L - 10])[None].astype(np.int32)
+  sample = jax.jit(objective.sample_anchors, static_argnums=2)
+  picked = set()
+  for seed in range(20):
+    anchors, valid = map(np.asarray, sample(jax.random.key(seed), jnp.asarray(mask), 6, jnp.asarray(seg)))
+    picked |= set(anchors[0][valid[0]].tolist())
+  assert picked == {4, 5, 6, 7, 8, 10}                    # 9 -> 10 crosses the boundary

@@ -150,3 +150,12 @@ def lm_logits(params: dict, cfg: Qwen3Config, h: jax.Array) -> jax.Array:
 def causal_mask(batch: int, length: int) -> jax.Array:
   """[B, T, T] lower-triangular block mask (prefill)."""
   return jnp.broadcast_to(jnp.tril(jnp.ones((length, length), bool)), (batch, length, length))
+
+
+def segment_causal_mask(segment_ids: jax.Array) -> jax.Array:
+  """[B, L] segment ids (packed rows) -> [B, L, L] block mask: causal and within the same segment.
+
+  Padding (segment 0) rows see earlier padding rows only, so the diagonal is always True."""
+  length = segment_ids.shape[1]
+  causal = jnp.tril(jnp.ones((length, length), bool))
+  return causal[None] & (segment_ids[:, :, None] == segment_ids[:, None, :])

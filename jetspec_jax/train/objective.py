@@ -1,10 +1,13 @@
 """Training objective of the draft head: random anchors, a many-block training forward, KD loss.
 
-One training sequence (tokens [L], target taps [L, F], final-normed target states [L, H],
-loss_mask [L]: 1 on response tokens) yields A blocks. The block of anchor p is the inference
-block [tokens[p], mask x (bs-1)] at positions p..p+bs-1; it sees the fused context rows 0..p-1
-(row r at RoPE position r), its own slots causally (all of them for a bidirectional head) and
-no other block, so its states equal ``draft_head.draft_hidden`` after exactly p context rows.
+One training row (tokens [L], target taps [L, F], final-normed target states [L, H],
+loss_mask [L]: 1 on response tokens) yields A blocks. A row may pack several conversations
+(segment_ids [L]: 1, 2, ... per conversation, 0 on padding; positions [L]: restarting at 0 in each
+conversation); everything below stays inside the anchor's conversation. The block of anchor p is
+the inference block [tokens[p], mask x (bs-1)] at positions q..q+bs-1 (q = positions[p]); it sees
+the fused context rows of its conversation before p (row r at RoPE position positions[r]), its own
+slots causally (all of them for a bidirectional head) and no other block, so its states equal
+``draft_head.draft_hidden`` after exactly the q context rows of its conversation.
 
 Slot k (1..bs-1) of anchor p is trained towards the target's distribution at position p+k-1
 (the distribution of token p+k), or towards the token tokens[p+k] itself with ``loss="ce"``.
@@ -29,21 +32,27 @@ from jetspec_jax.models.layers import rms_norm
 LOSSES = ("kl", "ce")
 
 
-def sample_anchors(key: jax.Array, loss_mask: jax.Array, num_anchors: int) -> tuple[jax.Array, jax.Array]:
+def sample_anchors(key: jax.Array, loss_mask: jax.Array, num_anchors: int,
+                   segment_ids: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
   """Up to ``num_anchors`` distinct random anchors per sequence, uniformly among the allowed ones.
 
   Position p of a sequence of padded length L is allowed when its block's first draft target
-  is a response token inside the sequence: p + 1 < L and loss_mask[p + 1] != 0 (padding must
-  carry loss_mask 0). The anchor itself may be the last prompt token, as at inference right
-  after prefill. Later block slots past the response are masked by the loss, not here.
+  is a response token of the same conversation: p + 1 < L, loss_mask[p + 1] != 0 (padding must
+  carry loss_mask 0) and segment_ids[p + 1] == segment_ids[p] (when given). The anchor itself may
+  be the last prompt token, as at inference right after prefill. Later block slots past the
+  response are masked by the loss, not here.
 
-  loss_mask [B, L] (any dtype, nonzero = response) -> anchors [B, num_anchors] int32,
+  loss_mask [B, L] (any dtype, nonzero = response), segment_ids [B, L] or None (one conversation
+  per row) -> anchors [B, num_anchors] int32,
   anchor_valid [B, num_anchors] bool. Per sequence the valid anchors come first, sorted
   ascending and distinct; when fewer than num_anchors positions are allowed, the remaining
   entries are invalid and hold position 0 (in range, so their blocks compute harmlessly).
   """
   batch, length = loss_mask.shape
-  allowed = jnp.zeros((batch, length), bool).at[:, :-1].set(loss_mask[:, 1:] != 0)
+  next_ok = loss_mask[:, 1:] != 0
+  if segment_ids is not None:
+    next_ok &= segment_ids[:, 1:] == segment_ids[:, :-1]
+  allowed = jnp.zeros((batch, length), bool).at[:, :-1].set(next_ok)
   scores = jnp.where(allowed, jax.random.uniform(key, (batch, length)), -1.0)
   top_scores, top_pos = jax.lax.top_k(scores, min(num_anchors, length))
   # Valid picks sort first by position; invalid ones after them (keys offset by L).
@@ -88,28 +97,44 @@ def anchored_block_attention(q: jax.Array, k_block: jax.Array, v_block: jax.Arra
   return out.reshape(batch, rows, num_heads, head_dim).astype(q.dtype)
 
 
+def _segments_and_positions(tokens, segment_ids, positions):
+  """Defaults for unpacked rows: one conversation per row, positions 0..L-1."""
+  batch, length = tokens.shape
+  if segment_ids is None:
+    segment_ids = jnp.ones((batch, length), jnp.int32)
+  if positions is None:
+    positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
+  return segment_ids.astype(jnp.int32), positions.astype(jnp.int32)
+
+
 def head_block_hidden(head_params, head_cfg: draft_head.DraftConfig, target_params, features: jax.Array,
-                      tokens: jax.Array, anchors: jax.Array) -> jax.Array:
+                      tokens: jax.Array, anchors: jax.Array, segment_ids: jax.Array | None = None,
+                      positions: jax.Array | None = None) -> jax.Array:
   """Final-normed head states [B, A, bs, H] of the blocks of every anchor, in one forward.
 
   features [B, L, F] (concatenated target taps of every row), tokens [B, L] int,
-  anchors [B, A] int in 0..L-1. Block a of sequence b is [tokens[b, p], mask x (bs-1)] at
-  positions p..p+bs-1 (p = anchors[b, a]); it attends to context rows 0..p-1 and to its own
-  slots under ``draft_head.block_mask``. Invariant: out[b, a] equals ``draft_head.draft_hidden``
-  for a context of exactly rows 0..p-1 of sequence b and anchor token tokens[b, p].
+  anchors [B, A] int in 0..L-1, segment_ids / positions [B, L] (packed rows; None = one
+  conversation per row at positions 0..L-1). Block a of sequence b is [tokens[b, p], mask x (bs-1)]
+  at positions q..q+bs-1 (p = anchors[b, a], q = positions[b, p]); it attends to the context rows
+  r < p with segment_ids[b, r] == segment_ids[b, p] and to its own slots under
+  ``draft_head.block_mask``. Invariant: out[b, a] equals ``draft_head.draft_hidden`` for a context
+  of exactly those rows and anchor token tokens[b, p].
   """
   cfg = head_cfg
   batch, length = tokens.shape
   num_anchors, bs = anchors.shape[1], cfg.block_size
   anchors = anchors.astype(jnp.int32)
+  segment_ids, ctx_positions = _segments_and_positions(tokens, segment_ids, positions)
   ctx = draft_head.fuse_features(head_params, cfg, features)
-  ctx_positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
-  ctx_visible = ctx_positions[:, None, :] < anchors[:, :, None]                       # [B, A, L]
+  anchor_segment = jnp.take_along_axis(segment_ids, anchors, axis=1)                 # [B, A]
+  ctx_visible = ((jnp.arange(length, dtype=jnp.int32)[None, None, :] < anchors[:, :, None])
+                 & (segment_ids[:, None, :] == anchor_segment[:, :, None]))           # [B, A, L]
   slot_visible = draft_head.block_mask(cfg, 1)[0]                                     # [bs, bs]
   anchor_tokens = jnp.take_along_axis(tokens, anchors, axis=1).astype(jnp.int32)
   masks = jnp.full((batch, num_anchors, bs - 1), cfg.mask_token_id, jnp.int32)
   block_tokens = jnp.concatenate([anchor_tokens[..., None], masks], axis=-1).reshape(batch, num_anchors * bs)
-  positions = (anchors[..., None] + jnp.arange(bs, dtype=jnp.int32)).reshape(batch, num_anchors * bs)
+  anchor_positions = jnp.take_along_axis(ctx_positions, anchors, axis=1)
+  positions = (anchor_positions[..., None] + jnp.arange(bs, dtype=jnp.int32)).reshape(batch, num_anchors * bs)
   x = target_params["embed"][block_tokens].astype(head_params["fc"].dtype)
   for i in range(cfg.num_hidden_layers):
     def attend(q, k, v, i=i):
@@ -121,20 +146,23 @@ def head_block_hidden(head_params, head_cfg: draft_head.DraftConfig, target_para
   return x.reshape(batch, num_anchors, bs, x.shape[-1])
 
 
-def _slot_sums(target_params, target_cfg: Qwen3Config, target_hidden, tokens, loss_mask, hidden, anchors,
-               anchor_valid, *, loss: str, temperature: float):
+def _slot_sums(target_params, target_cfg: Qwen3Config, target_hidden, tokens, loss_mask, segment_ids, hidden,
+               anchors, anchor_valid, *, loss: str, temperature: float):
   """Per-slot sums over one chunk of anchors: (loss term, top-1 matches, valid count), each [bs-1].
 
   hidden [B, C, bs, H] block states, anchors / anchor_valid [B, C]; the other arrays are whole
   sequences. Slot k's teacher row is p+k-1 and its target token p+k (indices clipped into
-  range; out-of-range slots are invalid and contribute nothing).
+  range; out-of-range slots and slots in another conversation than the anchor's are invalid and
+  contribute nothing).
   """
   batch, chunk, bs = hidden.shape[:3]
   length = tokens.shape[1]
   target_pos = anchors[..., None] + jnp.arange(1, bs, dtype=jnp.int32)                # p+k  [B, C, bs-1]
   clipped = jnp.minimum(target_pos, length - 1).reshape(batch, -1)
   gather = lambda a: jnp.take_along_axis(a, clipped, axis=1).reshape(batch, chunk, bs - 1)
-  valid = anchor_valid[..., None] & (target_pos < length) & (gather(loss_mask) != 0)
+  anchor_segment = jnp.take_along_axis(segment_ids, anchors, axis=1)[..., None]       # [B, C, 1]
+  valid = (anchor_valid[..., None] & (target_pos < length) & (gather(loss_mask) != 0)
+           & (gather(segment_ids) == anchor_segment))
   teacher_h = jnp.take_along_axis(target_hidden, (clipped - 1)[..., None], axis=1)
   teacher = jax.lax.stop_gradient(qwen3.lm_logits(target_params, target_cfg, teacher_h))
   teacher = teacher.reshape(batch, chunk, bs - 1, -1)
@@ -154,14 +182,17 @@ def _slot_sums(target_params, target_cfg: Qwen3Config, target_hidden, tokens, lo
 
 def draft_loss(head_params, head_cfg: draft_head.DraftConfig, target_params, target_cfg: Qwen3Config,
                features: jax.Array, target_hidden: jax.Array, tokens: jax.Array, loss_mask: jax.Array,
-               anchors: jax.Array, anchor_valid: jax.Array, *, loss: str = "kl", temperature: float = 1.0,
+               anchors: jax.Array, anchor_valid: jax.Array, *, segment_ids: jax.Array | None = None,
+               positions: jax.Array | None = None, loss: str = "kl", temperature: float = 1.0,
                gamma: float | None = None, chunk_size: int = 8) -> tuple[jax.Array, dict[str, jax.Array]]:
   """The head's training loss over all anchors of a batch, and metrics.
 
   features [B, L, F] target taps; target_hidden [B, L, H] final-normed target states;
   tokens [B, L]; loss_mask [B, L] (nonzero = response token); anchors / anchor_valid [B, A]
-  (``sample_anchors``). Slot k (1..bs-1) of anchor p is a valid position when the anchor is
-  valid, p+k < L and loss_mask[p+k] != 0. Per valid position:
+  (``sample_anchors``); segment_ids / positions [B, L] for packed rows (None: one conversation
+  per row, positions 0..L-1). Slot k (1..bs-1) of anchor p is a valid position when the anchor is
+  valid, p+k < L, loss_mask[p+k] != 0 and p+k is in the anchor's conversation. A packed row
+  therefore gives exactly the sums of its conversations in separate rows. Per valid position:
     loss="kl": T^2 * KL(softmax(teacher/T) || softmax(student/T)), teacher = target logits at
                row p+k-1 (no gradient), student = logits of the block state at slot k;
     loss="ce": -log softmax(student)[tokens[p+k]] (``temperature`` does not apply).
@@ -184,7 +215,8 @@ def draft_loss(head_params, head_cfg: draft_head.DraftConfig, target_params, tar
     raise JetSpecError(f"gamma={gamma} must be positive (gamma=None weights every slot equally)")
   if chunk_size < 1:
     raise JetSpecError(f"chunk_size={chunk_size} must be at least 1")
-  hidden = head_block_hidden(head_params, head_cfg, target_params, features, tokens, anchors)
+  segment_ids, positions = _segments_and_positions(tokens, segment_ids, positions)
+  hidden = head_block_hidden(head_params, head_cfg, target_params, features, tokens, anchors, segment_ids, positions)
   batch, num_anchors, bs = hidden.shape[:3]
   chunk = min(chunk_size, num_anchors)
   num_chunks = math.ceil(num_anchors / chunk)
@@ -197,7 +229,7 @@ def draft_loss(head_params, head_cfg: draft_head.DraftConfig, target_params, tar
 
   @jax.checkpoint
   def chunk_sums(xs):
-    return _slot_sums(target_params, target_cfg, target_hidden, tokens, loss_mask, *xs, loss=loss,
+    return _slot_sums(target_params, target_cfg, target_hidden, tokens, loss_mask, segment_ids, *xs, loss=loss,
                       temperature=temperature)
 
   sums = jax.lax.map(chunk_sums, (by_chunk(hidden), by_chunk(anchors.astype(jnp.int32)), by_chunk(anchor_valid)))

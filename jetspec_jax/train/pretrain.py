@@ -66,15 +66,6 @@ def default_demo_config(vocab_size: int, eos_id: int | None, pad_id: int | None,
 # ----------------------------------------------------------------------------------------------
 # Objective.
 
-def packed_causal_mask(segment_ids: jax.Array) -> jax.Array:
-  """[B, L] segment ids -> [B, L, L] block mask: causal and within the same segment.
-
-  Padding (segment 0) rows see earlier padding rows only, so the diagonal is always True."""
-  length = segment_ids.shape[1]
-  causal = jnp.tril(jnp.ones((length, length), bool))
-  return causal[None] & (segment_ids[:, :, None] == segment_ids[:, None, :])
-
-
 def token_losses(params: dict, cfg: Qwen3Config, batch: dict, *, mesh=None, attn_impl: str = "xla"):
   """Per-token next-token cross-entropy of a batch {input_ids, segment_ids, positions} [B, L].
 
@@ -84,7 +75,7 @@ def token_losses(params: dict, cfg: Qwen3Config, batch: dict, *, mesh=None, attn
   b, length = tokens.shape
   cache = qwen3.init_cache(cfg, b, length, params["embed"].dtype, mesh)
   hidden, _, _ = qwen3.forward(params, cfg, tokens, pos, cache, jnp.zeros((b,), jnp.int32),
-                               packed_causal_mask(seg), attn_impl=attn_impl, mesh=mesh, return_hidden=True)
+                               qwen3.segment_causal_mask(seg), attn_impl=attn_impl, mesh=mesh, return_hidden=True)
   logits = qwen3.lm_logits(params, cfg, hidden[:, :-1])
   ce = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:])
   valid = (seg[:, 1:] == seg[:, :-1]) & (seg[:, 1:] > 0)

@@ -3,7 +3,7 @@ the tapped features and teacher states; the head is trained with Optax under ``j
 explicit in/out shardings over a (data, model) mesh; orbax CheckpointManager for resume.
 
 Step (one jit, params and optimizer state donated):
-  target forward (causal, no grad)  -> features [B, L, F], final-normed states [B, L, H]
+  target forward (causal within each packed conversation, no grad) -> features [B, L, F], states [B, L, H]
   sample anchors among response positions -> head forward over all blocks -> chunked loss
   AdamW (warmup + cosine), global-norm clipping, optional gradient accumulation (optax.MultiSteps)
 Master weights and optimizer state are float32; compute runs in ``train.compute_dtype``.
@@ -36,6 +36,7 @@ from jetspec_jax.sharding import make_mesh
 from jetspec_jax.train import objective
 
 log = logging.getLogger("jetspec_jax.train")
+BATCH_FIELDS = ("input_ids", "loss_mask", "segment_ids", "positions")   # each [B, L] int32 (data.pad_rows)
 
 
 @flax.struct.dataclass
@@ -70,26 +71,30 @@ def learning_rate(tc: ml_collections.ConfigDict, step: int) -> float:
   return float(lr_schedule(tc)(step // tc.grad_accum))
 
 
-def target_states(target_params, target_cfg: Qwen3Config, tokens: jax.Array, tap_layers, mesh=None):
-  """Frozen target over whole sequences: (final-normed states [B, L, H], taps [B, L, F]), no grad."""
+def target_states(target_params, target_cfg: Qwen3Config, tokens: jax.Array, segment_ids: jax.Array,
+                  positions: jax.Array, tap_layers, mesh=None):
+  """Frozen target over whole rows, each conversation of a packed row on its own (segment mask,
+  positions restarting per conversation): (final-normed states [B, L, H], taps [B, L, F]), no grad."""
   batch, length = tokens.shape
   cache = qwen3.init_cache(target_cfg, batch, length, target_params["embed"].dtype)
-  positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
   hidden, _, taps = qwen3.forward(target_params, target_cfg, tokens, positions, cache,
-                                  jnp.zeros((batch,), jnp.int32), qwen3.causal_mask(batch, length),
+                                  jnp.zeros((batch,), jnp.int32), qwen3.segment_causal_mask(segment_ids),
                                   tap_layers=tap_layers, mesh=mesh, return_hidden=True)
   return jax.lax.stop_gradient(hidden), jax.lax.stop_gradient(taps)
 
 
 def loss_and_metrics(head_params, target_params, batch, key, *, target_cfg, head_cfg, tc, mesh=None):
-  """The training objective on one batch {input_ids, loss_mask} [B, L] (head params float32)."""
+  """The training objective on one batch of ``BATCH_FIELDS`` [B, L] (head params float32)."""
   compute = parse_dtype(tc.compute_dtype)
-  hidden, feats = target_states(target_params, target_cfg, batch["input_ids"], head_cfg.target_layer_ids, mesh)
-  anchors, valid = objective.sample_anchors(key, batch["loss_mask"], tc.num_anchors)
+  segment_ids, positions = batch["segment_ids"], batch["positions"]
+  hidden, feats = target_states(target_params, target_cfg, batch["input_ids"], segment_ids, positions,
+                                head_cfg.target_layer_ids, mesh)
+  anchors, valid = objective.sample_anchors(key, batch["loss_mask"], tc.num_anchors, segment_ids)
   params_c = jax.tree_util.tree_map(lambda x: x.astype(compute), head_params)
   return objective.draft_loss(params_c, head_cfg, target_params, target_cfg, feats, hidden, batch["input_ids"],
-                              batch["loss_mask"], anchors, valid, loss=tc.loss, temperature=tc.temperature,
-                              gamma=tc.gamma or None, chunk_size=tc.chunk_anchors)
+                              batch["loss_mask"], anchors, valid, segment_ids=segment_ids, positions=positions,
+                              loss=tc.loss, temperature=tc.temperature, gamma=tc.gamma or None,
+                              chunk_size=tc.chunk_anchors)
 
 
 def train_step(state: TrainState, target_params, batch, *, target_cfg, head_cfg, tc, tx, mesh=None):
@@ -156,7 +161,7 @@ def prepare_rows(c: ml_collections.ConfigDict, tokenizer, out_dir: str):
   from jetspec_jax.train import data as data_lib
   prepare = lambda: data_lib.prepare_dataset(
       c.data.path if c.data.source == "jsonl" else "sharegpt", tokenizer, os.path.join(out_dir, "data"),
-      seq_len=c.data.seq_len, pack=False, enable_thinking=c.data.enable_thinking, limit=c.data.limit or None)
+      seq_len=c.data.seq_len, pack=c.data.pack, enable_thinking=c.data.enable_thinking, limit=c.data.limit or None)
   if jax.process_count() == 1:
     return prepare()
   rows = prepare() if jax.process_index() == 0 else None
@@ -203,7 +208,7 @@ def compile_step(state: TrainState, target_params, batch_sharding, *, target_cfg
   state_sh = jax.tree_util.tree_map(lambda x: x.sharding, state)
   target_sh = jax.tree_util.tree_map(lambda x: x.sharding, target_params)
   step = functools.partial(train_step, target_cfg=target_cfg, head_cfg=head_cfg, tc=tc, tx=tx, mesh=mesh)
-  return jax.jit(step, in_shardings=(state_sh, target_sh, {"input_ids": batch_sharding, "loss_mask": batch_sharding}),
+  return jax.jit(step, in_shardings=(state_sh, target_sh, {k: batch_sharding for k in BATCH_FIELDS}),
                  out_shardings=(state_sh, NamedSharding(mesh, P())), donate_argnums=(0,))
 
 
@@ -269,8 +274,6 @@ def run(c: ml_collections.ConfigDict, *, progress: bool = True, stop_after: int 
   from jetspec_jax.train import data as data_lib
   from jetspec_jax.train.metrics import MetricsWriter
   tc = c.train
-  if c.data.pack:
-    raise JetSpecError("data.pack=True is not supported by the trainer yet; use padded rows (data.pack=False)")
   if tc.batch_size % jax.process_count():
     raise JetSpecError(f"train.batch_size={tc.batch_size} is not divisible by the {jax.process_count()} processes")
   mesh = build_mesh(c.mesh)
@@ -312,7 +315,7 @@ def run(c: ml_collections.ConfigDict, *, progress: bool = True, stop_after: int 
   step = start
   while step < total and (stop_after is None or step - start < stop_after):
     local = next(batches)
-    batch = global_batch({"input_ids": local["input_ids"], "loss_mask": local["loss_mask"]}, batch_sharding)
+    batch = global_batch({k: local[k] for k in BATCH_FIELDS}, batch_sharding)
     state, metrics = step_fn(state, target_params, batch)
     step += 1
     seqs += tc.batch_size
