@@ -332,3 +332,15 @@ def describe() -> dict:
       "device_kind": devices[0].device_kind if devices else None,
       "jax_version": jax.__version__,
   }
+
+
+def host_values(tree):
+  """Host numpy copies of a pytree of arrays, identical on every process: a plain ``device_get`` in
+  one process, else gathered across processes (arrays sharded over devices that other processes own
+  cannot be read locally). In several processes every process must call it."""
+  import jax
+  if jax.process_count() == 1:
+    return jax.device_get(tree)
+  from jax.experimental import multihost_utils
+  return multihost_utils.process_allgather(tree, tiled=True)
+

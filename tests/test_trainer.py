@@ -64,13 +64,21 @@ def test_sharded_step_equals_unsharded(world, tmp_path, mesh):
   np.testing.assert_allclose(losses(str(tmp_path / "mesh")), losses(str(tmp_path / "one")), rtol=2e-5)
 
 
+def evals(out_dir):
+  rows = [json.loads(l) for l in open(os.path.join(out_dir, "metrics.jsonl"))]
+  return [r["eval_tau"] for r in rows if "eval_tau" in r]
+
+
 def test_two_processes_follow_the_single_process_loss_curve(world, tmp_path):
+  """Two processes x 2 CPU devices give the single process's losses and its eval tau (the
+  speculative evaluation runs over the training mesh in every process)."""
   overrides = [f"--config.target={world['target']}", f"--config.data.path={world['data']}",
                "--config.data.seq_len=64", "--config.train.batch_size=8", "--config.train.num_anchors=8",
-               "--config.train.chunk_anchors=4", "--config.head.block_size=4", "--config.data.eval_examples=0",
-               "--config.eval.every=0", "--config.log_every=1", "--config.train.steps=3", "--config.mesh.data=4",
+               "--config.train.chunk_anchors=4", "--config.head.block_size=4", "--config.data.eval_examples=4",
+               "--config.eval.every=3", "--config.log_every=1", "--config.train.steps=3", "--config.mesh.data=4",
                "--config.mesh.model=1"]
-  single = trainer_world.tiny_config(world, str(tmp_path / "single"), **{"train.steps": 3, "mesh.data": 4})
+  single = trainer_world.tiny_config(world, str(tmp_path / "single"), **{"train.steps": 3, "mesh.data": 4,
+                                                                          "data.eval_examples": 4, "eval.every": 3})
   trainer.run(single, progress=False)
   env = dict(os.environ, PYTHONPATH=REPO, JETSPEC_KILL_GRACE="5")
   env.pop("XLA_FLAGS", None)
@@ -80,6 +88,8 @@ def test_two_processes_follow_the_single_process_loss_curve(world, tmp_path):
   proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   np.testing.assert_allclose(losses(str(tmp_path / "multi")), losses(str(tmp_path / "single")), rtol=2e-5)
+  assert len(evals(str(tmp_path / "single"))) == 1
+  assert evals(str(tmp_path / "multi")) == evals(str(tmp_path / "single"))
 
 
 def test_packed_rows_train(world, tmp_path):

@@ -17,6 +17,7 @@ import numpy as np
 from jetspec_jax.config import Qwen3Config
 from jetspec_jax.decode.prompts import batch_prompts
 from jetspec_jax.decode.sampling import sample_tokens, sequence_keys, step_keys, validate_sampling
+from jetspec_jax.distributed import host_values
 from jetspec_jax.models import qwen3
 
 
@@ -134,7 +135,7 @@ def generate_ar(params, cfg: Qwen3Config, prompts, *, max_new_tokens: int, tempe
   t1 = time.perf_counter()
   state = ar_decode(params, state, cfg=cfg, eos_ids=eos, temperature=float(temperature), attn_impl=attn_impl,
                     mesh=mesh, top_k=top_k, top_p=top_p)
-  out, num, steps = jax.device_get((state.tokens, state.num_tokens, state.steps))
+  out, num, steps = host_values((state.tokens, state.num_tokens, state.steps))
   t2 = time.perf_counter()
   return {"token_ids": [out[b, :num[b]].tolist() for b in range(len(prompts))],
           "num_tokens": int(np.sum(num)), "target_forwards": int(steps) + 1,

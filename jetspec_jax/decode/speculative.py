@@ -32,6 +32,7 @@ from jetspec_jax.decode import sampling, verify
 from jetspec_jax.decode.loop import DecodeState, block_until_ready, commit_tokens, prefill, resolve_eos
 from jetspec_jax.decode.prompts import batch_prompts
 from jetspec_jax.decode.tree import TREE_METHODS, build_tree, tree_size
+from jetspec_jax.distributed import host_values
 from jetspec_jax.errors import JetSpecError
 from jetspec_jax.models import draft_head, qwen3
 from jetspec_jax.models.draft_head import DraftConfig
@@ -196,8 +197,8 @@ def generate_speculative(target_params, cfg: Qwen3Config, head_params, head_cfg:
   state = spec_decode(target_params, head_params, state, cfg=cfg, head_cfg=head_cfg, tree_cfg=tree_cfg,
                       eos_ids=eos, attn_impl=attn_impl, mesh=mesh, drafter=drafter, temperature=temperature,
                       top_k=top_k, top_p=top_p, accept=accept if temperature > 0 else "rejection")
-  out, num, rounds, hist = jax.device_get((state.base.tokens, state.base.num_tokens, state.rounds,
-                                           state.depth_hist))
+  out, num, rounds, hist = host_values((state.base.tokens, state.base.num_tokens, state.rounds,
+                                            state.depth_hist))
   t2 = time.perf_counter()
   return {"token_ids": [out[b, :num[b]].tolist() for b in range(batch)],
           "prefill_s": t1 - t0, "decode_s": t2 - t1, **speculative_metrics(num, rounds, hist, tree_cfg),

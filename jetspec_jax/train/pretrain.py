@@ -36,6 +36,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jetspec_jax import convert
 from jetspec_jax.checkpoint import atomic_directory, check_output_dir
 from jetspec_jax.config import Qwen3Config
+from jetspec_jax.distributed import host_values
 from jetspec_jax.errors import JetSpecError
 from jetspec_jax.models import qwen3
 from jetspec_jax.sharding import make_mesh, named_sharding
@@ -144,13 +145,6 @@ def build_program(cfg: Qwen3Config, steps: int, learning_rate: float, warmup_fra
   step = functools.partial(train_step, cfg=cfg, tx=tx, mesh=mesh)
   return (tx, jax.jit(init, out_shardings=state_sh),
           jax.jit(step, in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, replicated), donate_argnums=(0,)))
-
-
-def _host_copy(tree):
-  if jax.process_count() == 1:
-    return jax.device_get(tree)
-  from jax.experimental import multihost_utils
-  return multihost_utils.process_allgather(tree, tiled=True)
 
 
 def num_params(cfg: Qwen3Config) -> int:
@@ -277,7 +271,7 @@ def pretrain_target(cfg: Qwen3Config, rows, out_dir: str, *, steps: int, batch_s
   tail = max(1, steps // 10)
   steady_tokens = sum(token_counts[1:])
   out_cfg = export_config(cfg, tokenizer)
-  host = _host_copy(state.params)
+  host = host_values(state.params)
   files = []
   if jax.process_index() == 0:
     files = write_hf_directory(out_dir, out_cfg, host, tokenizer_dir, overwrite)

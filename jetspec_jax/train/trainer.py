@@ -29,6 +29,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jetspec_jax import convert
 from jetspec_jax.config import Qwen3Config, parse_dtype
+from jetspec_jax.distributed import host_values
 from jetspec_jax.errors import JetSpecError
 from jetspec_jax.models import draft_head, qwen3
 from jetspec_jax.models.draft_head import DraftConfig
@@ -169,14 +170,6 @@ def prepare_rows(c: ml_collections.ConfigDict, tokenizer, out_dir: str):
   return rows if rows is not None else prepare()
 
 
-def host_copy(tree):
-  """Weights as host numpy arrays on every process (gathered across processes when sharded)."""
-  if jax.process_count() == 1:
-    return jax.device_get(tree)
-  from jax.experimental import multihost_utils
-  return multihost_utils.process_allgather(tree, tiled=True)
-
-
 def build_head_config(c: ml_collections.ConfigDict, target_cfg: Qwen3Config, mask_token_id: int | None) -> DraftConfig:
   hc = c.head
   overrides = {"intermediate_size": hc.intermediate_size} if hc.intermediate_size else {}
@@ -254,13 +247,14 @@ def eval_prompts(rows, count: int) -> list[list[int]]:
   return prompts
 
 
-def evaluate_tau(target_params, target_cfg, head_params, head_cfg, prompts, ec, compute_dtype) -> dict:
-  """tau and tokens/s of the current head on held-out prompts (greedy speculative decoding)."""
+def evaluate_tau(target_params, target_cfg, head_params, head_cfg, prompts, ec, compute_dtype, mesh=None) -> dict:
+  """tau and tokens/s of the current head on held-out prompts (greedy speculative decoding over the
+  training mesh; in a multi-process run every process runs it on the same prompts)."""
   from jetspec_jax.decode.speculative import TreeConfig, generate_speculative
   params = jax.tree_util.tree_map(lambda x: x.astype(compute_dtype), head_params)
   tree = TreeConfig(ec.tree, ec.budget, ec.width, head_cfg.depth)
   out = generate_speculative(target_params, target_cfg, params, head_cfg, prompts, max_new_tokens=ec.max_new_tokens,
-                             tree_cfg=tree)
+                             tree_cfg=tree, mesh=mesh)
   return {"eval_tau": out["tau"], "eval_tokens_per_s": out["num_tokens"] / max(out["decode_s"], 1e-9),
           "eval_acceptance_d1": out["acceptance_by_depth"][0] if out["acceptance_by_depth"] else 0.0}
 
@@ -330,9 +324,9 @@ def run(c: ml_collections.ConfigDict, *, progress: bool = True, stop_after: int 
       writer.write(step, last)
       if bar is not None:
         bar.set_postfix(loss=f"{last['loss']:.3f}", refresh=False)
-    if (c.eval.every and step % c.eval.every == 0 or step == total) and prompts and jax.process_count() == 1:
+    if (c.eval.every and step % c.eval.every == 0 or step == total) and prompts:
       ev = evaluate_tau(target_params, target_cfg, state.params, head_cfg, prompts, c.eval,
-                        parse_dtype(tc.compute_dtype))
+                        parse_dtype(tc.compute_dtype), mesh)
       writer.write(step, ev)
       last.update(ev)
     if step % c.checkpoint.every == 0 or step == total:
@@ -346,7 +340,7 @@ def run(c: ml_collections.ConfigDict, *, progress: bool = True, stop_after: int 
   if step >= total:
     head_dir = os.path.join(out_dir, "head_hf")
     export = jax.tree_util.tree_map(lambda x: np.asarray(x).astype(parse_dtype(c.export_dtype)),
-                                    host_copy(state.params))
+                                    host_values(state.params))
     if jax.process_index() == 0:
       convert.save_head(head_dir, head_cfg, export, overwrite=True)
     summary["head_dir"] = head_dir
