@@ -25,6 +25,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from jetspec_jax.decode import loop
+from jetspec_jax.distributed import host_values
 from jetspec_jax.errors import JetSpecError
 from jetspec_jax.models import qwen3
 from jetspec_jax.tokenizer import IM_END, PAD, load_tokenizer
@@ -77,7 +78,7 @@ def generate_batches(params, cfg, prompts: Sequence[Sequence[int]], *, batch_siz
                             jax.random.fold_in(key, b // batch_size), cfg=cfg, max_new_tokens=max_new_tokens,
                             eos_ids=eos_ids, temperature=temperature, mesh=mesh)
     state = loop.ar_decode(params, state, cfg=cfg, eos_ids=eos_ids, temperature=temperature, mesh=mesh)
-    generated, num = jax.device_get((state.tokens, state.num_tokens))
+    generated, num = host_values((state.tokens, state.num_tokens))
     for r, i in enumerate(real):
       out[i] = generated[r, :num[r]].tolist()
     on_batch(int(num[:len(real)].sum()))
