@@ -1,6 +1,6 @@
-"""Draft-head training throughput: sequences/s, tokens/s, peak host memory, and the step's FLOP
-count (from XLA's cost analysis) so the same script reports MFU on a GPU (pass --peak-tflops, or it
-is looked up for H100/H200).
+"""Draft-head training throughput: sequences/s, tokens/s, peak host memory, the step's scratch
+memory (XLA's memory analysis of the compiled step) and its FLOP count (XLA's cost analysis), so
+the same script reports MFU on a GPU (pass --peak-tflops, or it is looked up for H100/H200).
 
   python bench/train_bench.py                 # the tiny config on a synthetic world (CPU, ~2 min)
   python bench/train_bench.py --config configs/qwen3_8b.py --config.target=CKPT --config.data.path=DATA
@@ -46,14 +46,15 @@ def main(argv=None) -> int:
     import trainer_world
     world = trainer_world.build(tempfile.mkdtemp(prefix="train_bench_"), hidden=64)
     c.target, c.data.path = world["target"], world["data"]
-    apply_override(c, "data.seq_len=128")
+    if not any(o.startswith("--config.data.seq_len") for o in overrides):
+      apply_override(c, "data.seq_len=128")
   tc = c.train
   mesh = trainer.build_mesh(c.mesh)
   target_cfg, target_params, side = convert.load_target(c.target, parse_dtype(tc.target_dtype), mesh)
   tok = load_tokenizer(side)
   head_cfg = trainer.build_head_config(c, target_cfg, tok.mask_token_id)
   rows = data_lib.prepare_dataset(c.data.path, tok, tempfile.mkdtemp(prefix="train_bench_data_"),
-                                  seq_len=c.data.seq_len)
+                                  seq_len=c.data.seq_len, pack=c.data.pack)
   tx = trainer.make_optimizer(tc)
   state = trainer.init_state(head_cfg, tx, c.seed, mesh)
   sharding = NamedSharding(mesh, P("data", None))
@@ -63,7 +64,7 @@ def main(argv=None) -> int:
 
   def batch():
     b = next(batches)
-    return trainer.global_batch({"input_ids": b["input_ids"], "loss_mask": b["loss_mask"]}, sharding)
+    return trainer.global_batch({k: b[k] for k in trainer.BATCH_FIELDS}, sharding)
 
   b0 = batch()
   flops = None
@@ -76,6 +77,11 @@ def main(argv=None) -> int:
     flops = float(cost.get("flops", 0.0)) or None
   except Exception as e:                            # cost analysis is best effort on some backends
     print(f"(no cost analysis: {type(e).__name__})", file=sys.stderr)
+  try:
+    temp_gb = compiled.memory_analysis().temp_size_in_bytes / 1e9   # XLA's scratch for one step
+  except Exception as e:                            # memory analysis is best effort on some backends
+    temp_gb = None
+    print(f"(no memory analysis: {type(e).__name__})", file=sys.stderr)
   state, m = step(state, target_params, b0)
   jax.block_until_ready(m)
   windows = []
@@ -95,7 +101,7 @@ def main(argv=None) -> int:
          "tokens_per_s": tc.batch_size * c.data.seq_len / step_s, "step_flops": flops,
          "achieved_tflops": flops / step_s / 1e12 if flops else None,
          "mfu": flops / step_s / 1e12 / (peak * jax.device_count()) if flops and peak else None,
-         "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 ** 2,
+         "step_temp_gb": temp_gb, "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 ** 2,
          "final_loss": float(np.asarray(m["loss"]))}
   for k, v in res.items():
     print(f"{k:<26} {v:.4g}" if isinstance(v, float) else f"{k:<26} {v}")

@@ -40,7 +40,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.train.loss = "kl"                 # kl | ce
   c.train.temperature = 1.0           # KD temperature (kl)
   c.train.gamma = 0.0                 # > 0: DFlash slot weighting exp(-(k-1)/gamma)
-  c.train.chunk_anchors = 64          # anchors per loss chunk (vocabulary logits are chunked)
+  c.train.chunk_anchors = 64          # anchors per chunk: head blocks + logits (step memory grows with it)
   c.train.compute_dtype = "bfloat16"  # head/target compute; optimizer state and master weights float32
   c.train.target_dtype = "bfloat16"
 

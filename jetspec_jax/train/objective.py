@@ -14,8 +14,10 @@ Slot k (1..bs-1) of anchor p is trained towards the target's distribution at pos
 
 Memory: the attention never forms the dense (A*bs) x (L + A*bs) mask; it scores the A*bs
 queries against the L context keys (mask by comparison with the anchor) and against the bs
-keys of their own block, then takes one softmax over both key sets. The loss computes
-vocabulary-sized logits one chunk of anchors at a time, under ``jax.checkpoint``.
+keys of their own block, then takes one softmax over both key sets. The loss runs the head's
+blocks and their vocabulary-sized logits one chunk of anchors at a time, under
+``jax.checkpoint``, so the step's memory grows with the chunk, not with the number of anchors;
+the context keys/values (anchor-independent) are computed once per step.
 """
 from __future__ import annotations
 
@@ -120,12 +122,29 @@ def head_block_hidden(head_params, head_cfg: draft_head.DraftConfig, target_para
   ``draft_head.block_mask``. Invariant: out[b, a] equals ``draft_head.draft_hidden`` for a context
   of exactly those rows and anchor token tokens[b, p].
   """
+  segment_ids, positions = _segments_and_positions(tokens, segment_ids, positions)
+  context = context_keys(head_params, head_cfg, features, positions)
+  return blocks_hidden(head_params, head_cfg, target_params, context, tokens, anchors, segment_ids, positions)
+
+
+def context_keys(head_params, head_cfg: draft_head.DraftConfig, features: jax.Array,
+                 positions: jax.Array) -> list[tuple[jax.Array, jax.Array]]:
+  """Every head layer's keys/values of every context row, [(k, v)] with k, v [B, Hkv, L, Dh]: the
+  fused target taps projected per layer at the rows' positions. They do not depend on the anchors,
+  so the loss computes them once and shares them across its chunks of anchors."""
+  ctx = draft_head.fuse_features(head_params, head_cfg, features)
+  return [draft_head.context_kv(head_params, head_cfg, f"layers.{i}.", ctx, positions)
+          for i in range(head_cfg.num_hidden_layers)]
+
+
+def blocks_hidden(head_params, head_cfg: draft_head.DraftConfig, target_params, context, tokens: jax.Array,
+                  anchors: jax.Array, segment_ids: jax.Array, positions: jax.Array) -> jax.Array:
+  """``head_block_hidden`` given the layers' context keys (``context_keys``): [B, A, bs, H]."""
   cfg = head_cfg
   batch, length = tokens.shape
   num_anchors, bs = anchors.shape[1], cfg.block_size
   anchors = anchors.astype(jnp.int32)
-  segment_ids, ctx_positions = _segments_and_positions(tokens, segment_ids, positions)
-  ctx = draft_head.fuse_features(head_params, cfg, features)
+  ctx_positions = positions
   anchor_segment = jnp.take_along_axis(segment_ids, anchors, axis=1)                 # [B, A]
   ctx_visible = ((jnp.arange(length, dtype=jnp.int32)[None, None, :] < anchors[:, :, None])
                  & (segment_ids[:, None, :] == anchor_segment[:, :, None]))           # [B, A, L]
@@ -138,7 +157,7 @@ def head_block_hidden(head_params, head_cfg: draft_head.DraftConfig, target_para
   x = target_params["embed"][block_tokens].astype(head_params["fc"].dtype)
   for i in range(cfg.num_hidden_layers):
     def attend(q, k, v, i=i):
-      k_ctx, v_ctx = draft_head.context_kv(head_params, cfg, f"layers.{i}.", ctx, ctx_positions)
+      k_ctx, v_ctx = context[i]
       return anchored_block_attention(q, k, v, k_ctx, v_ctx, ctx_visible, slot_visible)
 
     x = draft_head.layer(head_params, cfg, i, x, positions, attend)
@@ -199,9 +218,9 @@ def draft_loss(head_params, head_cfg: draft_head.DraftConfig, target_params, tar
   The loss is the mean over valid positions, weighted by exp(-(k-1)/gamma) when ``gamma`` is
   given (sum of w*term / sum of w), uniform otherwise; 0 when no position is valid.
 
-  Logits (both sides) are computed ``chunk_size`` anchors at a time (A is padded with invalid
-  anchors to a multiple), each chunk under ``jax.checkpoint`` so the backward pass recomputes
-  them instead of storing them.
+  The head's blocks and the logits (both sides) are computed ``chunk_size`` anchors at a time (A
+  is padded with invalid anchors to a multiple), each chunk under ``jax.checkpoint`` so the
+  backward pass recomputes them instead of storing them.
 
   Returns (loss, metrics): metrics["loss"] the loss; metrics["kl"] or metrics["ce"] the uniform
   mean of the term; metrics["top1_acc"] [bs-1] per-slot share of valid positions whose student
@@ -216,8 +235,8 @@ def draft_loss(head_params, head_cfg: draft_head.DraftConfig, target_params, tar
   if chunk_size < 1:
     raise JetSpecError(f"chunk_size={chunk_size} must be at least 1")
   segment_ids, positions = _segments_and_positions(tokens, segment_ids, positions)
-  hidden = head_block_hidden(head_params, head_cfg, target_params, features, tokens, anchors, segment_ids, positions)
-  batch, num_anchors, bs = hidden.shape[:3]
+  context = context_keys(head_params, head_cfg, features, positions)
+  (batch, num_anchors), bs = anchors.shape, head_cfg.block_size
   chunk = min(chunk_size, num_anchors)
   num_chunks = math.ceil(num_anchors / chunk)
   pad = num_chunks * chunk - num_anchors
@@ -229,10 +248,13 @@ def draft_loss(head_params, head_cfg: draft_head.DraftConfig, target_params, tar
 
   @jax.checkpoint
   def chunk_sums(xs):
-    return _slot_sums(target_params, target_cfg, target_hidden, tokens, loss_mask, segment_ids, *xs, loss=loss,
-                      temperature=temperature)
+    chunk_anchors, chunk_valid = xs
+    hidden = blocks_hidden(head_params, head_cfg, target_params, context, tokens, chunk_anchors, segment_ids,
+                           positions)
+    return _slot_sums(target_params, target_cfg, target_hidden, tokens, loss_mask, segment_ids, hidden,
+                      chunk_anchors, chunk_valid, loss=loss, temperature=temperature)
 
-  sums = jax.lax.map(chunk_sums, (by_chunk(hidden), by_chunk(anchors.astype(jnp.int32)), by_chunk(anchor_valid)))
+  sums = jax.lax.map(chunk_sums, (by_chunk(anchors.astype(jnp.int32)), by_chunk(anchor_valid)))
   term, matches, counts = (jnp.sum(s, axis=0) for s in sums)                        # each [bs-1]
   slots = jnp.arange(bs - 1, dtype=jnp.float32)
   weights = jnp.ones_like(slots) if gamma is None else jnp.exp(-slots / gamma)
