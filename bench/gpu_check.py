@@ -105,40 +105,59 @@ def kernel_section(*, smoke: bool, iters: int, reps: int, hbm: float | None, flo
   kernel = jax.jit(lambda *a: tree_attention(*a, interpret=smoke, **tuning))
   one_split = jax.jit(lambda *a: tree_attention(*a, interpret=smoke, **{**tuning, "num_splits": 1}))
   reference = jax.jit(xla_attention)
-  itemsize = jnp.dtype(shape.dtype).itemsize
   rows = []
   for num_nodes in node_counts:
     for prefix in prefixes:
-      args = make_inputs(shape, num_nodes, prefix, seed=1000 * num_nodes + prefix)
-      out = np.asarray(kernel(*args), np.float32)
-      ref = np.asarray(reference(*args), np.float32)
-      max_err = float(np.max(np.abs(out - ref)))
-      kernel_s = median_seconds(kernel, args, iters=iters, reps=reps)
-      one_split_s = median_seconds(one_split, args, iters=iters, reps=reps)
-      splits = launch_shapes(shape.batch, num_nodes, shape.num_q_heads, shape.num_kv_heads, shape.head_dim,
-                             cache_len=prefix, **tuning).num_splits
-      xla_s = median_seconds(reference, args, iters=iters, reps=reps)
-      kv_bytes = 2 * shape.batch * shape.num_kv_heads * (prefix + num_nodes) * shape.head_dim * itemsize
-      flops = 4 * shape.batch * num_nodes * shape.num_q_heads * (prefix + num_nodes) * shape.head_dim
-      floors = {"memory": None if hbm is None else kv_bytes / hbm,
-                "compute": None if flops_peak is None else flops / flops_peak}
-      bound = max((k for k in floors if floors[k] is not None), key=floors.get, default=None)
-      rows.append(dict(
-          n=num_nodes, prefix=prefix, max_abs_err=max_err,
-          rel_err=max_err / float(np.max(np.abs(ref))), splits=splits, kernel_us=kernel_s * 1e6,
-          one_split_us=one_split_s * 1e6, xla_us=xla_s * 1e6,
-          speedup=xla_s / kernel_s, kv_bytes=kv_bytes, kernel_gbps=kv_bytes / kernel_s / 1e9,
-          hbm_fraction=None if hbm is None else kv_bytes / kernel_s / hbm,
-          bound=bound or "-", floor_us=None if bound is None else floors[bound] * 1e6,
-          roofline_fraction=None if bound is None else floors[bound] / kernel_s))
+      rows.append(guarded(dict(n=num_nodes, prefix=prefix), lambda: kernel_row(
+          shape, num_nodes, prefix, kernel, one_split, reference, iters=iters, reps=reps, hbm=hbm,
+          flops_peak=flops_peak, tuning=tuning)))
+      print(f"  kernel N={num_nodes} prefix={prefix}: " + (rows[-1].get("error") or
+            f"{rows[-1]['kernel_us']:.1f} us (XLA {rows[-1]['xla_us']:.1f} us)"), file=sys.stderr, flush=True)
   return rows
+
+
+def guarded(key: dict, measure) -> dict:
+  """``key`` plus the measured columns, or plus ``error`` when the measurement raised: one failing
+  shape (a Triton compile error, out of memory) must not cost the rest of a one-shot GPU run."""
+  try:
+    return {**key, **measure()}
+  except Exception as e:  # noqa: BLE001  (recorded in the row and counted as a failure)
+    return {**key, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"}
+
+
+def kernel_row(shape, num_nodes, prefix, kernel, one_split, reference, *, iters, reps, hbm, flops_peak,
+               tuning) -> dict:
+  """One problem of the kernel sweep: errors, times, bandwidth and roofline columns."""
+  itemsize = jnp.dtype(shape.dtype).itemsize
+  args = make_inputs(shape, num_nodes, prefix, seed=1000 * num_nodes + prefix)
+  out = np.asarray(kernel(*args), np.float32)
+  ref = np.asarray(reference(*args), np.float32)
+  max_err = float(np.max(np.abs(out - ref)))
+  kernel_s = median_seconds(kernel, args, iters=iters, reps=reps)
+  one_split_s = median_seconds(one_split, args, iters=iters, reps=reps)
+  splits = launch_shapes(shape.batch, num_nodes, shape.num_q_heads, shape.num_kv_heads, shape.head_dim,
+                         cache_len=prefix, **tuning).num_splits
+  xla_s = median_seconds(reference, args, iters=iters, reps=reps)
+  kv_bytes = 2 * shape.batch * shape.num_kv_heads * (prefix + num_nodes) * shape.head_dim * itemsize
+  flops = 4 * shape.batch * num_nodes * shape.num_q_heads * (prefix + num_nodes) * shape.head_dim
+  floors = {"memory": None if hbm is None else kv_bytes / hbm,
+            "compute": None if flops_peak is None else flops / flops_peak}
+  bound = max((k for k in floors if floors[k] is not None), key=floors.get, default=None)
+  return dict(
+      max_abs_err=max_err,
+      rel_err=max_err / float(np.max(np.abs(ref))), splits=splits, kernel_us=kernel_s * 1e6,
+      one_split_us=one_split_s * 1e6, xla_us=xla_s * 1e6,
+      speedup=xla_s / kernel_s, kv_bytes=kv_bytes, kernel_gbps=kv_bytes / kernel_s / 1e9,
+      hbm_fraction=None if hbm is None else kv_bytes / kernel_s / hbm,
+      bound=bound or "-", floor_us=None if bound is None else floors[bound] * 1e6,
+      roofline_fraction=None if bound is None else floors[bound] / kernel_s)
 
 
 def format_table(rows: list[dict]) -> str:
   """Rows as an aligned text table (floats to 4 significant digits)."""
-  columns = list(rows[0])
+  columns = list(dict.fromkeys(c for row in rows for c in row))    # rows with an error have fewer
   cell = lambda v: "-" if v is None else f"{v:.4g}" if isinstance(v, float) else str(v)
-  cells = [columns] + [[cell(row[c]) for c in columns] for row in rows]
+  cells = [columns] + [[cell(row.get(c)) for c in columns] for row in rows]
   widths = [max(len(line[i]) for line in cells) for i in range(len(columns))]
   return "\n".join("  ".join(v.rjust(w) for v, w in zip(line, widths)) for line in cells)
 
@@ -169,17 +188,31 @@ def decode_section(*, smoke: bool, layers: int, budgets: tuple[int, ...], max_ne
     fn()                                  # compile + warm-up
     return fn()
 
-  ar = timed(lambda: generate_ar(params, cfg, prompt, max_new_tokens=max_new, eos_ids=(), attn_impl=attn_impl))
-  ar_ms = 1e3 * ar["decode_s"] / max(ar["target_forwards"] - 1, 1)
-  rows.append(dict(mode="ar", nodes=1, ms_per_round=ar_ms, ratio_to_ar_step=1.0, tau=1.0))
-  for budget in budgets:
+  def ar_row():
+    ar = timed(lambda: generate_ar(params, cfg, prompt, max_new_tokens=max_new, eos_ids=(), attn_impl=attn_impl))
+    return dict(ms_per_round=1e3 * ar["decode_s"] / max(ar["target_forwards"] - 1, 1), ratio_to_ar_step=1.0, tau=1.0)
+
+  def tree_row(budget):
     tree = TreeConfig("accum_logp", budget, 7, head_cfg.depth)
     out = timed(lambda: generate_speculative(params, cfg, head, head_cfg, prompt, max_new_tokens=max_new,
                                              tree_cfg=tree, eos_ids=(), attn_impl=attn_impl))
     ms = 1e3 * out["decode_s"] / max(out["rounds"], 1)
-    rows.append(dict(mode=f"tree_b{budget}", nodes=budget, ms_per_round=ms, ratio_to_ar_step=ms / ar_ms,
-                     tau=out["tau"]))
+    ar_ms = rows[0].get("ms_per_round")
+    return dict(ms_per_round=ms, ratio_to_ar_step=None if ar_ms is None else ms / ar_ms, tau=out["tau"])
+
+  rows.append(guarded(dict(mode="ar", nodes=1), ar_row))
+  for budget in budgets:
+    rows.append(guarded(dict(mode=f"tree_b{budget}", nodes=budget), lambda: tree_row(budget)))
   return rows
+
+
+def write_report(report: dict) -> None:
+  """The report as JSON in $OUT/gpu_check.json (when OUT is set), replaced whole each time."""
+  if out_dir := os.environ.get("OUT"):
+    path = Path(out_dir) / "gpu_check.json"
+    path.with_suffix(".tmp").write_text(json.dumps(report, indent=2))
+    path.with_suffix(".tmp").replace(path)
+    print(f"wrote {path}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -211,18 +244,20 @@ def main(argv: list[str] | None = None) -> int:
   rows = kernel_section(smoke=args.smoke, iters=args.iters, reps=args.reps, hbm=hbm, flops_peak=flops_peak,
                         tuning=tuning)
   shape = SMOKE if args.smoke else QWEN3_8B
-  failed = [r for r in rows if not r["rel_err"] <= REL_TOLERANCE[shape.dtype]]
+  failed = [r for r in rows if "error" in r or not r["rel_err"] <= REL_TOLERANCE[shape.dtype]]
 
   print(f"device: {device.device_kind} ({device.platform}), jax {jax.__version__}, "
         f"HBM {'unknown' if hbm is None else f'{hbm / 1e12:.2f} TB/s'}, "
         f"bf16 peak {'unknown' if flops_peak is None else f'{flops_peak / 1e12:.0f} TFLOP/s'}")
   print(f"\nkernel vs XLA, {shape}, tuning {tuning}:")
   print(format_table(rows))
-  print(f"\nkernel errors within {REL_TOLERANCE[shape.dtype]:g}: {len(rows) - len(failed)}/{len(rows)}")
+  print(f"\nkernel rows measured with errors within {REL_TOLERANCE[shape.dtype]:g}: "
+        f"{len(rows) - len(failed)}/{len(rows)}")
 
   report = dict(device_kind=device.device_kind, platform=device.platform, jax_version=jax.__version__,
                 hbm_bytes_per_s=hbm, dense_bf16_flops=flops_peak, smoke=args.smoke, iters=args.iters, reps=args.reps,
                 kernel=dict(shape=dataclasses.asdict(shape), tuning=tuning, rows=rows))
+  write_report(report)                      # the kernel rows survive a failure or time-out below
   if not args.skip_decode:
     impl = "pallas_interpret" if args.smoke else ("pallas" if device.platform == "gpu" else "xla")
     drows = decode_section(smoke=args.smoke, layers=args.decode_layers, max_new=args.decode_new_tokens,
@@ -230,10 +265,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\njitted decode round, Qwen3-8B-shaped ({args.decode_layers} layers), batch 1, attention {impl}:")
     print(format_table(drows))
     report["decode"] = dict(layers=args.decode_layers, attention=impl, rows=drows)
-  if out_dir := os.environ.get("OUT"):
-    path = Path(out_dir) / "gpu_check.json"
-    path.write_text(json.dumps(report, indent=2))
-    print(f"wrote {path}")
+    failed += [r for r in drows if "error" in r]
+    write_report(report)
   return 1 if failed else 0
 
 
