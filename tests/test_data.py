@@ -145,6 +145,31 @@ def test_loss_mask_covers_exactly_the_assistant_spans(tok, thinking):
   assert ids[:start].tolist() == enc.prompt_ids(msgs[:4])
 
 
+def test_generated_token_ids_are_encoded_exactly(tok):
+  """A response that carries the ids the target generated is encoded as those ids (+ <|im_end|>),
+  even when they are not the tokenizer's own segmentation of the text; ids that do not render as
+  the text are ignored."""
+  text = "the cat sat"
+  canonical = tok(text, add_special_tokens=False)["input_ids"]
+  by_char = [tok.convert_tokens_to_ids(ch) for t in tok.convert_ids_to_tokens(canonical) for ch in t]
+  assert tok.decode(by_char) == text and by_char != canonical
+  enc = data.ChatEncoder(tok)
+  im_end = tok.convert_tokens_to_ids("<|im_end|>")
+  user = {"role": "user", "content": "why"}
+  encode = lambda **extra: enc.encode([user, {"role": "assistant", "content": text, **extra}, user])
+  ids, mask = encode(token_ids=by_char)
+  (a, b), = runs(mask)
+  assert ids[a:b].tolist() == by_char + [im_end]
+  plain_ids, plain_mask = encode()
+  (pa, pb), = runs(plain_mask)
+  assert plain_ids[pa:pb].tolist() == canonical + [im_end]
+  assert np.array_equal(ids[:a], plain_ids[:pa]) and np.array_equal(ids[b:], plain_ids[pb:])
+  assert np.array_equal(encode(token_ids=canonical[:-1])[0], plain_ids)       # ids of other text: ignored
+  # What the target continues after that exchange starts with the same exact ids.
+  prompt = enc.prompt_ids([user, {"role": "assistant", "content": text, "token_ids": by_char}, user])
+  assert prompt[:len(ids)] == ids.tolist()
+
+
 def test_sharegpt_conversion_and_truncated_file(tmp_path):
   records = [
       {"id": "a", "conversations": [{"from": "gpt", "value": "stray"}, {"from": "human", "value": "h1"},

@@ -61,6 +61,12 @@ def target(tok):
   return Qwen3Config(**{**cfg.__dict__, "eos_token_ids": (first[2],)}), params
 
 
+def _runs(mask):
+  """(starts, ends) of the runs of ones in a 0/1 mask."""
+  edges = np.diff(np.concatenate([[0], mask, [0]]))
+  return np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)
+
+
 def read_rows(out_dir) -> list[dict]:
   return [json.loads(line) for f in sorted(glob.glob(os.path.join(out_dir, "*.jsonl"))) for line in open(f)]
 
@@ -112,8 +118,18 @@ def test_regenerate_resumes_exactly_once_and_matches_greedy(tmp_path, tok, targe
         prompts.append(enc.prompt_ids(msgs[:i]))
         contents.append(m["content"])
   reference = loop.generate_ar(params, cfg, prompts, max_new_tokens=MAX_NEW, eos_ids=eos)["token_ids"]
-  for ids, content in zip(reference, contents):
-    assert content == tok.decode(ids[:-1] if ids[-1] in eos else ids)
+  generated = [m["token_ids"] for r in rows for m in r["messages"] if m["role"] == "assistant"]
+  for ids, content, kept in zip(reference, contents, generated):
+    assert kept == (ids[:-1] if ids[-1] in eos else ids) and content == tok.decode(kept)
+  # Training rows hold exactly the generated ids (a random target's ids are often not the
+  # tokenizer's own segmentation of their text), each response closed by <|im_end|>.
+  im_end = tok.convert_tokens_to_ids("<|im_end|>")
+  responses = []
+  for r in rows:
+    ids, mask = enc.encode(r["messages"])
+    responses += [ids[a:b].tolist() for a, b in zip(*_runs(mask))]
+  assert responses == [kept + [im_end] for kept in generated]
+  assert any(tok(tok.decode(kept), add_special_tokens=False)["input_ids"] != kept for kept in generated)
   # A second turn follows only a response that ended with EOS; conversation 0 has one.
   assert len(read_rows(out)[0]["messages"]) == 4
   assert any(len(ids) == MAX_NEW and ids[-1] not in eos for ids in reference)

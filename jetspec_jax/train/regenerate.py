@@ -5,9 +5,11 @@ target's response to the chat-templated conversation so far (thinking off by def
 conversation that ends with a user message gets a response appended. The output directory holds
 ``chunk-{start:09d}-{end:09d}.jsonl`` files of ``{"index", "messages"}`` rows (``index``: position
 in the source), each the regenerated source conversations ``[start, end)``, written to a temporary
-name and renamed when complete, plus ``regenerate.json`` (the settings). A rerun with the same
-settings skips complete chunks, so an interrupted run continues without losing or repeating rows;
-``train.data.read_jsonl(out_dir)`` reads the result.
+name and renamed when complete, plus ``regenerate.json`` (the settings). A regenerated assistant
+message keeps the ids the target generated (``token_ids``, EOS excluded) beside their text, and the
+data module trains on those ids. A rerun with the same settings skips complete chunks, so an
+interrupted run continues without losing or repeating rows; ``train.data.read_jsonl(out_dir)``
+reads the result.
 """
 from __future__ import annotations
 
@@ -216,8 +218,9 @@ def _regenerate_chunk(params, cfg, encoder: ChatEncoder, chunk: list[Conversatio
                                key=jax.random.fold_in(key, t), mesh=mesh, on_batch=count)
     for (ex, context, _), ids in zip(jobs, outputs):
       finished = bool(ids) and ids[-1] in eos_ids
-      text = encoder.tokenizer.decode(ids[:-1] if finished else ids, skip_special_tokens=False)
-      ex.messages = context + [{"role": "assistant", "content": text}]
+      response = ids[:-1] if finished else ids
+      text = encoder.tokenizer.decode(response, skip_special_tokens=False)
+      ex.messages = context + [{"role": "assistant", "content": text, "token_ids": response}]
       ex.done_upto = ex.turns[t] + 1
       ex.open = finished
       summary["truncated"] += int(not finished)
