@@ -144,7 +144,6 @@ def blocks_hidden(head_params, head_cfg: draft_head.DraftConfig, target_params, 
   batch, length = tokens.shape
   num_anchors, bs = anchors.shape[1], cfg.block_size
   anchors = anchors.astype(jnp.int32)
-  ctx_positions = positions
   anchor_segment = jnp.take_along_axis(segment_ids, anchors, axis=1)                 # [B, A]
   ctx_visible = ((jnp.arange(length, dtype=jnp.int32)[None, None, :] < anchors[:, :, None])
                  & (segment_ids[:, None, :] == anchor_segment[:, :, None]))           # [B, A, L]
@@ -152,15 +151,15 @@ def blocks_hidden(head_params, head_cfg: draft_head.DraftConfig, target_params, 
   anchor_tokens = jnp.take_along_axis(tokens, anchors, axis=1).astype(jnp.int32)
   masks = jnp.full((batch, num_anchors, bs - 1), cfg.mask_token_id, jnp.int32)
   block_tokens = jnp.concatenate([anchor_tokens[..., None], masks], axis=-1).reshape(batch, num_anchors * bs)
-  anchor_positions = jnp.take_along_axis(ctx_positions, anchors, axis=1)
-  positions = (anchor_positions[..., None] + jnp.arange(bs, dtype=jnp.int32)).reshape(batch, num_anchors * bs)
+  anchor_positions = jnp.take_along_axis(positions, anchors, axis=1)
+  block_positions = (anchor_positions[..., None] + jnp.arange(bs, dtype=jnp.int32)).reshape(batch, num_anchors * bs)
   x = target_params["embed"][block_tokens].astype(head_params["fc"].dtype)
   for i in range(cfg.num_hidden_layers):
     def attend(q, k, v, i=i):
       k_ctx, v_ctx = context[i]
       return anchored_block_attention(q, k, v, k_ctx, v_ctx, ctx_visible, slot_visible)
 
-    x = draft_head.layer(head_params, cfg, i, x, positions, attend)
+    x = draft_head.layer(head_params, cfg, i, x, block_positions, attend)
   x = rms_norm(x, head_params["final_norm"], cfg.rms_norm_eps)
   return x.reshape(batch, num_anchors, bs, x.shape[-1])
 

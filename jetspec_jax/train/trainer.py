@@ -4,7 +4,8 @@ explicit in/out shardings over a (data, model) mesh; orbax CheckpointManager for
 
 Step (one jit, params and optimizer state donated):
   target forward (causal within each packed conversation, no grad) -> features [B, L, F], states [B, L, H]
-  sample anchors among response positions -> head forward over all blocks -> chunked loss
+  sample anchors among response positions -> head context keys once -> per chunk of anchors (remat):
+  head blocks + loss
   AdamW (warmup + cosine), global-norm clipping, optional gradient accumulation (optax.MultiSteps)
 Master weights and optimizer state are float32; compute runs in ``train.compute_dtype``.
 """
