@@ -127,24 +127,30 @@ def spec_decode(target_params, head_params, state: SpecState, *, cfg: Qwen3Confi
   def body(s: SpecState) -> SpecState:
     b = s.base
     active = ~b.done
-    depth_logits, draft_cache = drafter(target_params, head_params, s, cfg=cfg, head_cfg=head_cfg,
-                                        tree_cfg=tree_cfg, attn_impl=attn_impl, mesh=mesh)
+    # Named scopes (jetspec_<phase>) label each phase's kernels in a profile (bench/gpu_check.py).
+    with jax.named_scope("jetspec_draft"):
+      depth_logits, draft_cache = drafter(target_params, head_params, s, cfg=cfg, head_cfg=head_cfg,
+                                          tree_cfg=tree_cfg, attn_impl=attn_impl, mesh=mesh)
     keys = round_keys(s)
-    tree, draft_logp = build_round_tree(b.last_token, depth_logits, keys, tree_cfg, temperature=temperature,
-                                        top_k=top_k, top_p=top_p, accept=accept)
-    logits, cache, taps = verify.verify_tree(target_params, cfg, tree, b.cache, b.prefix_len,
-                                             tap_layers=head_cfg.target_layer_ids, attn_impl=attn_impl, mesh=mesh)
-    if temperature == 0.0:
-      target_next = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-      acc = verify.greedy_accept(tree, target_next, depth)
-    else:
-      acc = verify.sample_accept(tree, logits, draft_logp if accept == "rejection" else None, keys, rule=accept,
-                                 max_depth=depth, width=width, temperature=temperature, top_k=top_k, top_p=top_p)
-    cache = verify.compact_cache(cache, b.prefix_len, acc.path)
-    path_taps = jnp.take_along_axis(taps, acc.path[:, :, None], axis=1)              # [B, D+1, F]
-    draft_cache = draft_head.append_context(head_params, head_cfg, draft_cache, path_taps, b.prefix_len)
-    new, count = verify.accepted_tokens(tree, acc)
-    tokens, num, done, _ = commit_tokens(b.tokens, b.num_tokens, b.done, new, count, eos_ids)
+    with jax.named_scope("jetspec_tree"):
+      tree, draft_logp = build_round_tree(b.last_token, depth_logits, keys, tree_cfg, temperature=temperature,
+                                          top_k=top_k, top_p=top_p, accept=accept)
+    with jax.named_scope("jetspec_verify"):
+      logits, cache, taps = verify.verify_tree(target_params, cfg, tree, b.cache, b.prefix_len,
+                                               tap_layers=head_cfg.target_layer_ids, attn_impl=attn_impl, mesh=mesh)
+    with jax.named_scope("jetspec_accept"):
+      if temperature == 0.0:
+        target_next = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        acc = verify.greedy_accept(tree, target_next, depth)
+      else:
+        acc = verify.sample_accept(tree, logits, draft_logp if accept == "rejection" else None, keys, rule=accept,
+                                   max_depth=depth, width=width, temperature=temperature, top_k=top_k, top_p=top_p)
+    with jax.named_scope("jetspec_commit"):
+      cache = verify.compact_cache(cache, b.prefix_len, acc.path)
+      path_taps = jnp.take_along_axis(taps, acc.path[:, :, None], axis=1)              # [B, D+1, F]
+      draft_cache = draft_head.append_context(head_params, head_cfg, draft_cache, path_taps, b.prefix_len)
+      new, count = verify.accepted_tokens(tree, acc)
+      tokens, num, done, _ = commit_tokens(b.tokens, b.num_tokens, b.done, new, count, eos_ids)
     base = DecodeState(cache=cache, tokens=tokens, num_tokens=num,
                        last_token=jnp.where(active, acc.correction, b.last_token),
                        prefix_len=b.prefix_len + jnp.where(active, count, 0), done=done, key=b.key,

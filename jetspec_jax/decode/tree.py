@@ -116,13 +116,13 @@ def _heap_tree(anchor: jax.Array, top_tok: jax.Array, top_lp: jax.Array, caps: j
   order; caps [D] int32 child cap per parent depth. Returns tokens, parents, depths,
   valid [N] and ancestors [N, N] with N = budget.
 
-  Each of the ``budget`` steps pops the in-heap node with the highest score (lowest index
-  among ties) and writes its children as one W-wide masked block at [n, n + W); internal
-  arrays have N + W rows so the block always fits, and rows >= N are sliced off at the end.
-  Every node is popped at most once and at most N nodes exist, so N steps finish the
-  search; steps after it (full tree or empty heap) add nothing. A fixed trip count is
-  faster here than a while_loop that stops early (which re-selects the whole batched
-  state every step under vmap).
+  Each step pops the in-heap node with the highest score (lowest index among ties) and writes
+  its children as one W-wide masked block at [n, n + W); internal arrays have N + W rows so the
+  block always fits, and rows >= N are sliced off at the end. Nodes at depth D join the tree but
+  not the heap (popping one would add nothing), so every step adds at least one node and the
+  loop stops when the tree is full or the heap is empty: ceil((N - 1) / W) steps for a full
+  accum_logp tree instead of N. (On a GPU each loop step is a host round-trip for the predicate;
+  under vmap the loop runs until the slowest row is done, finished rows unchanged.)
   """
   depth, width = top_tok.shape
   n_nodes, rows = budget, budget + width
@@ -135,17 +135,18 @@ def _heap_tree(anchor: jax.Array, top_tok: jax.Array, top_lp: jax.Array, caps: j
       parents=jnp.zeros(rows, jnp.int32),
       depths=jnp.zeros(rows, jnp.int32),
       score=jnp.full(rows, -jnp.inf, jnp.float32).at[0].set(0.0),
-      in_heap=jnp.zeros(rows, bool).at[0].set(True),
+      in_heap=jnp.zeros(rows, bool).at[0].set(depth > 0),
       anc=jnp.eye(rows, n_nodes, dtype=bool))
 
-  def pop_and_expand(_, s):
+  def growing(s):
+    return (s["n"] < n_nodes) & jnp.any(s["in_heap"])
+
+  def pop_and_expand(s):
     n, in_heap, score = s["n"], s["in_heap"], s["score"]
     best = jnp.max(jnp.where(in_heap, score, -jnp.inf))
     parent = jnp.argmax(in_heap & (score == best)).astype(jnp.int32)   # first best heap node
-    d = s["depths"][parent]
-    src = jnp.minimum(d, depth - 1)                                   # depth index of the children
-    expand = jnp.any(in_heap) & (d < depth)                          # n == N gives k = 0 below
-    k = jnp.where(expand, jnp.minimum(caps[src], n_nodes - n), 0)
+    d = s["depths"][parent]                                           # < D: deeper nodes never enter
+    k = jnp.minimum(caps[d], n_nodes - n)
     live = slot < k
     child = n + slot
 
@@ -155,14 +156,14 @@ def _heap_tree(anchor: jax.Array, top_tok: jax.Array, top_lp: jax.Array, caps: j
     anc_rows = (s["anc"][parent][None, :] & live[:, None]) | (col[None, :] == child[:, None])
     return dict(
         n=n + k,
-        tokens=put(s["tokens"], jnp.where(live, top_tok[src], 0)),
+        tokens=put(s["tokens"], jnp.where(live, top_tok[d], 0)),
         parents=put(s["parents"], jnp.where(live, parent, 0)),
         depths=put(s["depths"], jnp.where(live, d + 1, 0)),
-        score=put(score, jnp.where(live, score[parent] + top_lp[src], -jnp.inf)),
-        in_heap=put(in_heap.at[parent].set(False), live),
+        score=put(score, jnp.where(live, score[parent] + top_lp[d], -jnp.inf)),
+        in_heap=put(in_heap.at[parent].set(False), live & (d + 1 < depth)),
         anc=put(s["anc"], anc_rows))
 
-  s = jax.lax.fori_loop(0, budget, pop_and_expand, init)
+  s = jax.lax.while_loop(growing, pop_and_expand, init)
   valid = jnp.arange(n_nodes) < s["n"]
   return (s["tokens"][:n_nodes], s["parents"][:n_nodes], s["depths"][:n_nodes], valid,
           s["anc"][:n_nodes])
