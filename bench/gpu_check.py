@@ -4,17 +4,22 @@ Kernel section: the Pallas tree-attention kernel against the XLA reference for Q
 (B=1, 32 query heads, 8 kv heads, head_dim 128, bf16), N tree nodes x prefix length. Per row:
 error vs XLA, the prefix splits the kernel chose, kernel time with those splits and with one split
 (no flash-decoding), XLA time (each the device time per call: ``--reps`` calls inside one jitted
-loop, median over ``--iters`` samples), and the kernel's achieved bandwidth counting the K/V of
-prefix + N keys read once, as a fraction of the device's HBM bandwidth. Because a tree of N nodes
-does 4 * N * group FLOPs per K/V byte read (Qwen3-8B: group 4, so N = 128 is 512 FLOP/B, past an
-H200's ridge of ~206 FLOP/B), large trees are compute-bound: each row also gives the roofline floor
-max(bytes / HBM bandwidth, FLOPs / peak bf16 tensor FLOP/s), which bound sets it, and the kernel's
-fraction of that floor.
+loop, ``--unroll`` per iteration, median over ``--iters`` samples), and the kernel's achieved
+bandwidth counting the K/V of prefix + N keys read once, as a fraction of the device's HBM
+bandwidth. Because a tree of N nodes does 4 * N * group FLOPs per K/V byte read (Qwen3-8B: group 4,
+so N = 128 is 512 FLOP/B, past an H200's ridge of ~206 FLOP/B), large trees are compute-bound: each
+row also gives the roofline floor max(bytes / HBM bandwidth, FLOPs / peak bf16 tensor FLOP/s), which
+bound sets it, and the kernel's fraction of that floor.
+
+Decode section: ms per AR step and per speculative round on a Qwen3-8B-shaped random-weight model.
+Profile section: the same model's decode loops under ``jax.profiler``, summarized per round by
+``bench/trace_summary.py`` (device busy time vs span, kernels, time per named-scope phase, top kernels);
+the raw traces go to $OUT/traces/<mode>.json.gz.
 
   python bench/gpu_check.py                 # on the GPU; JSON to $OUT/gpu_check.json when $OUT is set
   python bench/gpu_check.py --smoke         # on CPU: tiny shapes, kernel in interpret mode
 
-Exits non-zero when a kernel row's relative error exceeds its dtype's tolerance.
+Exits non-zero when a kernel row's relative error exceeds its dtype's tolerance or a row records an error.
 """
 from __future__ import annotations
 
@@ -22,8 +27,10 @@ import argparse
 import dataclasses
 import json
 import os
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -33,6 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from bench import kernel_tune, trace_summary
 from jetspec_jax.attention import xla_attention
 from pallas_kernels.tree_attention import launch_shapes, tree_attention
 
@@ -84,36 +92,50 @@ def make_inputs(shape: AttentionShape, num_nodes: int, prefix: int, seed: int):
           jnp.asarray(random_tree_mask(rng, shape.batch, num_nodes)))
 
 
-def median_seconds(fn, args, *, iters: int, reps: int) -> float:
-  """Median over ``iters`` samples of one call's time; a sample is ``reps`` back-to-back calls
-  then block_until_ready, so host dispatch overlaps device work. Warm-up (compile) excluded."""
-  jax.block_until_ready(fn(*args))
+def carried_seconds(step, consts, carry, *, iters: int, reps: int, unroll: int) -> float:
+  """Device time of one ``step(consts, carry) -> (carry, out)`` call: the median over ``iters`` samples of one
+  jitted ``fori_loop`` making ``reps`` chained calls (rounded down to a multiple of ``unroll``), divided by the
+  calls made, so the host's per-call dispatch is paid once per sample. Each loop iteration makes ``unroll``
+  calls: on a GPU every iteration costs a host sync (~10 us), which ``unroll`` calls then share. The carry
+  threads through every call (a KV cache is updated in place, never copied), so XLA can neither hoist a
+  call out of the loop nor merge two calls; ``out``'s first element is summed so no call is dead code."""
+  unroll = max(1, min(unroll, reps))
+  loops = reps // unroll
+
+  def many(consts, carry):
+    def body(i, state):
+      carry, acc = state
+      for _ in range(unroll):
+        carry, out = step(consts, carry)
+        acc = acc + out.reshape(-1)[0].astype(jnp.float32)
+      return carry, acc
+    return jax.lax.fori_loop(0, loops, body, (carry, jnp.zeros((), jnp.float32)))
+
+  run = jax.jit(many, donate_argnums=1)
+  carry, _ = jax.block_until_ready(run(consts, carry))            # compile + warm-up
   samples = []
   for _ in range(iters):
     start = time.perf_counter()
-    for _ in range(reps):
-      out = fn(*args)
-    jax.block_until_ready(out)
-    samples.append((time.perf_counter() - start) / reps)
-  return statistics.median(samples)
+    carry, _ = jax.block_until_ready(run(consts, carry))
+    samples.append(time.perf_counter() - start)
+  return statistics.median(samples) / (loops * unroll)
 
 
-def loop_seconds(fn, args, *, iters: int, reps: int) -> float:
-  """Device time of one call: the median over ``iters`` samples of one jitted ``fori_loop`` running
-  ``fn`` ``reps`` times, divided by ``reps``, so the host's per-call dispatch (tens of us in a
-  sandbox) is paid once per sample. Each iteration adds i * 1e-30 (no change in value, but not
-  known to the compiler) to one element of the first input, so XLA cannot hoist the call out of the
-  loop as loop-invariant."""
-  def many(*inputs):
-    def body(i, acc):
-      first = inputs[0]
-      nudged = first.at[(0,) * first.ndim].add((i * 1e-30).astype(first.dtype))
-      return acc + fn(nudged, *inputs[1:]).reshape(-1)[0].astype(jnp.float32)
-    return jax.lax.fori_loop(0, reps, body, jnp.zeros((), jnp.float32))
-  return median_seconds(jax.jit(many), args, iters=iters, reps=1) / reps
+def loop_seconds(fn, args, *, iters: int, reps: int, unroll: int) -> float:
+  """Device time of one ``fn(*args)`` call (``carried_seconds``; ``args`` are not consumed). Before each call,
+  1e-30 x the previous call's first output element (below the element's precision, but not known to the
+  compiler) is added to one element of the first input, which the loop carries."""
+  def step(rest, carry):
+    x, prev = carry
+    x = x.at[(0,) * x.ndim].add((prev * 1e-30).astype(x.dtype))
+    out = fn(x, *rest).reshape(-1)[0].astype(jnp.float32)
+    return (x, out), out
+  first = jnp.copy(args[0])                                      # the loop donates its carry
+  return carried_seconds(step, tuple(args[1:]), (first, jnp.zeros((), jnp.float32)), iters=iters, reps=reps,
+                         unroll=unroll)
 
 
-def kernel_section(*, smoke: bool, iters: int, reps: int, hbm: float | None, flops_peak: float | None,
+def kernel_section(*, smoke: bool, iters: int, reps: int, unroll: int, hbm: float | None, flops_peak: float | None,
                    tuning: dict) -> list[dict]:
   """Kernel vs XLA over the N x prefix sweep; one row (a dict) per problem."""
   shape = SMOKE if smoke else QWEN3_8B
@@ -125,7 +147,7 @@ def kernel_section(*, smoke: bool, iters: int, reps: int, hbm: float | None, flo
   for num_nodes in node_counts:
     for prefix in prefixes:
       rows.append(guarded(dict(n=num_nodes, prefix=prefix), lambda: kernel_row(
-          shape, num_nodes, prefix, kernel, one_split, reference, iters=iters, reps=reps, hbm=hbm,
+          shape, num_nodes, prefix, kernel, one_split, reference, iters=iters, reps=reps, unroll=unroll, hbm=hbm,
           flops_peak=flops_peak, tuning=tuning)))
       print(f"  kernel N={num_nodes} prefix={prefix}: " + (rows[-1].get("error") or
             f"{rows[-1]['kernel_us']:.1f} us (XLA {rows[-1]['xla_us']:.1f} us)"), file=sys.stderr, flush=True)
@@ -141,7 +163,7 @@ def guarded(key: dict, measure) -> dict:
     return {**key, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"}
 
 
-def kernel_row(shape, num_nodes, prefix, kernel, one_split, reference, *, iters, reps, hbm, flops_peak,
+def kernel_row(shape, num_nodes, prefix, kernel, one_split, reference, *, iters, reps, unroll, hbm, flops_peak,
                tuning) -> dict:
   """One problem of the kernel sweep: errors, times, bandwidth and roofline columns."""
   itemsize = jnp.dtype(shape.dtype).itemsize
@@ -149,11 +171,11 @@ def kernel_row(shape, num_nodes, prefix, kernel, one_split, reference, *, iters,
   out = np.asarray(kernel(*args), np.float32)
   ref = np.asarray(reference(*args), np.float32)
   max_err = float(np.max(np.abs(out - ref)))
-  kernel_s = loop_seconds(kernel, args, iters=iters, reps=reps)
-  one_split_s = loop_seconds(one_split, args, iters=iters, reps=reps)
+  kernel_s = loop_seconds(kernel, args, iters=iters, reps=reps, unroll=unroll)
+  one_split_s = loop_seconds(one_split, args, iters=iters, reps=reps, unroll=unroll)
   splits = launch_shapes(shape.batch, num_nodes, shape.num_q_heads, shape.num_kv_heads, shape.head_dim,
                          cache_len=prefix, **tuning).num_splits
-  xla_s = loop_seconds(reference, args, iters=iters, reps=reps)
+  xla_s = loop_seconds(reference, args, iters=iters, reps=reps, unroll=unroll)
   kv_bytes = 2 * shape.batch * shape.num_kv_heads * (prefix + num_nodes) * shape.head_dim * itemsize
   flops = 4 * shape.batch * num_nodes * shape.num_q_heads * (prefix + num_nodes) * shape.head_dim
   floors = {"memory": None if hbm is None else kv_bytes / hbm,
@@ -178,13 +200,22 @@ def format_table(rows: list[dict]) -> str:
   return "\n".join("  ".join(v.rjust(w) for v, w in zip(line, widths)) for line in cells)
 
 
-def decode_section(*, smoke: bool, layers: int, budgets: tuple[int, ...], max_new: int, attn_impl: str) -> list[dict]:
-  """Jitted decode rounds on a Qwen3-8B-shaped random-weight model (``layers`` of its 36 layers; per-layer
-  shapes are Qwen3-8B's, so the verify/AR ratio does not depend on the layer count): ms per AR step and
-  per speculative round (draft + tree + verify + accept + commit) for each budget, batch 1, bf16."""
+@dataclasses.dataclass(frozen=True)
+class DecodeModel:
+  """A random-weight target (config, params), its draft head (config, params) and a batch-1 prompt: built
+  once, shared by the decode and profile sections."""
+  cfg: object
+  params: dict
+  head_cfg: object
+  head: dict
+  prompt: list
+
+
+def decode_model(*, smoke: bool, layers: int) -> DecodeModel:
+  """A Qwen3-8B-shaped model with ``layers`` of its 36 layers, bf16, a 5-layer head and a 1024-token prompt
+  (per-layer shapes are Qwen3-8B's, so the verify/AR ratio does not depend on the layer count); tiny and
+  float32 when ``smoke``."""
   from jetspec_jax.config import Qwen3Config
-  from jetspec_jax.decode.loop import generate_ar
-  from jetspec_jax.decode.speculative import TreeConfig, generate_speculative
   from jetspec_jax.models import draft_head, qwen3
   if smoke:
     cfg = Qwen3Config(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
@@ -194,32 +225,145 @@ def decode_section(*, smoke: bool, layers: int, budgets: tuple[int, ...], max_ne
     cfg = Qwen3Config(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=layers,
                       num_attention_heads=32, num_key_value_heads=8, head_dim=128, rope_theta=1e6)
     dtype, prompt_len, head_layers = jnp.bfloat16, 1024, 5
-  params = qwen3.init_target(cfg, jax.random.key(0), dtype)
   head_cfg = draft_head.DraftConfig.for_target(cfg, num_layers=head_layers, block_size=16)
-  head = draft_head.init_head(head_cfg, jax.random.key(1), dtype)
-  prompt = [np.random.default_rng(0).integers(0, cfg.vocab_size, prompt_len).tolist()]
+  return DecodeModel(cfg=cfg, params=qwen3.init_target(cfg, jax.random.key(0), dtype), head_cfg=head_cfg,
+                     head=draft_head.init_head(head_cfg, jax.random.key(1), dtype),
+                     prompt=[np.random.default_rng(0).integers(0, cfg.vocab_size, prompt_len).tolist()])
+
+
+def mode_name(budget: int | None) -> str:
+  """"ar" for autoregressive decoding (budget None), else "tree_b<budget>"."""
+  return "ar" if budget is None else f"tree_b{budget}"
+
+
+def generate(model: DecodeModel, budget: int | None, *, max_new: int, attn_impl: str) -> dict:
+  """One greedy generation of ``max_new`` tokens, AR (budget None) or speculative with a tree of ``budget``
+  nodes: decode_s (seconds after the prefill), rounds (AR: target forwards after the prefill), tau."""
+  from jetspec_jax.decode.loop import generate_ar
+  from jetspec_jax.decode.speculative import TreeConfig, generate_speculative
+  if budget is None:
+    out = generate_ar(model.params, model.cfg, model.prompt, max_new_tokens=max_new, eos_ids=(), attn_impl=attn_impl)
+    return dict(decode_s=out["decode_s"], rounds=out["target_forwards"] - 1, tau=1.0)
+  out = generate_speculative(model.params, model.cfg, model.head, model.head_cfg, model.prompt, max_new_tokens=max_new,
+                             tree_cfg=TreeConfig("accum_logp", budget, 7, model.head_cfg.depth), eos_ids=(),
+                             attn_impl=attn_impl)
+  return dict(decode_s=out["decode_s"], rounds=out["rounds"], tau=out["tau"])
+
+
+def decode_section(model: DecodeModel, *, budgets: tuple[int, ...], max_new: int, attn_impl: str) -> list[dict]:
+  """Jitted decode rounds, batch 1: ms per AR step and per speculative round (draft + tree + verify + accept
+  + commit) for each budget, timed on a second generation (the first compiles)."""
   rows = []
 
-  def timed(fn):
-    fn()                                  # compile + warm-up
-    return fn()
-
-  def ar_row():
-    ar = timed(lambda: generate_ar(params, cfg, prompt, max_new_tokens=max_new, eos_ids=(), attn_impl=attn_impl))
-    return dict(ms_per_round=1e3 * ar["decode_s"] / max(ar["target_forwards"] - 1, 1), ratio_to_ar_step=1.0, tau=1.0)
-
-  def tree_row(budget):
-    tree = TreeConfig("accum_logp", budget, 7, head_cfg.depth)
-    out = timed(lambda: generate_speculative(params, cfg, head, head_cfg, prompt, max_new_tokens=max_new,
-                                             tree_cfg=tree, eos_ids=(), attn_impl=attn_impl))
+  def row(budget):
+    generate(model, budget, max_new=max_new, attn_impl=attn_impl)            # compile + warm-up
+    out = generate(model, budget, max_new=max_new, attn_impl=attn_impl)
     ms = 1e3 * out["decode_s"] / max(out["rounds"], 1)
-    ar_ms = rows[0].get("ms_per_round")
+    ar_ms = rows[0].get("ms_per_round") if rows else ms         # the AR row (first) is its own reference
     return dict(ms_per_round=ms, ratio_to_ar_step=None if ar_ms is None else ms / ar_ms, tau=out["tau"])
 
-  rows.append(guarded(dict(mode="ar", nodes=1), ar_row))
-  for budget in budgets:
-    rows.append(guarded(dict(mode=f"tree_b{budget}", nodes=budget), lambda: tree_row(budget)))
+  for budget in (None, *budgets):
+    rows.append(guarded(dict(mode=mode_name(budget), nodes=budget or 1), lambda: row(budget)))
   return rows
+
+
+def phase_section(model: DecodeModel, *, budgets: tuple[int, ...], attn_impl: str, iters: int, reps: int,
+                  unroll: int) -> list[dict]:
+  """Each phase of a round timed alone (``carried_seconds``), batch 1, after the model's prompt (prefix P):
+
+  ar_forward: the target forward of one token (an AR step's work); verify_b<N>: the target forward of an
+  N-node random tree plus the argmax of its logits (the issue's "verify round", goal <= 1.2x ar_forward
+  at N = 128); draft: the head's block forward and per-depth logits; tree_b<N>: the best-first tree search
+  from random per-depth logits. ``ratio_to_ar_forward`` compares each with ar_forward."""
+  from jetspec_jax.decode.tree import build_tree
+  from jetspec_jax.models import draft_head, qwen3
+  cfg, head_cfg = model.cfg, model.head_cfg
+  prefix = len(model.prompt[0])
+  prefix_len = jnp.full((1,), prefix, jnp.int32)
+  rng = np.random.default_rng(7)
+  dtype = model.params["embed"].dtype
+  timed = dict(iters=iters, reps=reps, unroll=unroll)
+
+  def forward_row(nodes):
+    mask = jnp.asarray(random_tree_mask(rng, 1, nodes))
+    depths = jnp.sum(mask, axis=-1, dtype=jnp.int32) - 1                      # [1, N]
+    tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (1, nodes)), jnp.int32)
+
+    def step(params, cache):
+      logits, cache, _ = qwen3.forward(params, cfg, tokens, prefix_len + depths, cache, prefix_len, mask,
+                                       attn_impl=attn_impl)
+      return cache, jnp.argmax(logits, axis=-1)
+    cache = qwen3.init_cache(cfg, 1, prefix + nodes, dtype)
+    return dict(ms=1e3 * carried_seconds(step, model.params, cache, **timed))
+
+  def draft_row():
+    anchor = jnp.zeros((1,), jnp.int32)
+
+    def step(params, cache):
+      logits, cache = draft_head.draft_logits(params[1], head_cfg, params[0], cfg, cache, prefix_len, anchor,
+                                              attn_impl=attn_impl)
+      return cache, logits
+    cache = draft_head.init_context_cache(head_cfg, 1, prefix + head_cfg.block_size, dtype)
+    return dict(ms=1e3 * carried_seconds(step, (model.params, model.head), cache, **timed))
+
+  def tree_row(budget):
+    logits = jnp.asarray(3 * rng.standard_normal((1, head_cfg.depth, cfg.vocab_size)), jnp.float32)
+    build = lambda lg: build_tree(jnp.zeros((1,), jnp.int32), lg, method="accum_logp", budget=budget, width=7).tokens
+    return dict(ms=1e3 * loop_seconds(build, (logits,), **timed))
+
+  rows = [guarded(dict(phase="ar_forward", nodes=1), lambda: forward_row(1))]
+  rows += [guarded(dict(phase=f"verify_b{n}", nodes=n), lambda n=n: forward_row(n)) for n in budgets]
+  rows.append(guarded(dict(phase="draft", nodes=head_cfg.block_size), draft_row))
+  rows += [guarded(dict(phase=f"tree_b{n}", nodes=n), lambda n=n: tree_row(n)) for n in budgets]
+  ar_ms = rows[0].get("ms")
+  for row in rows:
+    row["ratio_to_ar_forward"] = None if ar_ms is None or "ms" not in row else row["ms"] / ar_ms
+  return rows
+
+
+PHASES = ("jetspec_draft", "jetspec_tree", "jetspec_verify", "jetspec_accept", "jetspec_commit")
+
+
+def profile_section(model: DecodeModel, *, budgets: tuple[int, ...], max_new: int, attn_impl: str) -> list[dict]:
+  """A profiler trace of one generation per mode (AR, then each budget; compiled by a first generation),
+  summarized per round by ``trace_summary`` over the decode loop's device events (the prefill excluded): busy
+  and span ms, kernels, per-phase time (the named scopes ``PHASES``) and the top kernels. The traces are
+  copied to $OUT/traces/<mode>.json.gz when OUT is set."""
+  rows = []
+  for budget in (None, *budgets):
+    rows.append(guarded(dict(mode=mode_name(budget), nodes=budget or 1),
+                        lambda: profile_row(model, budget, max_new=max_new, attn_impl=attn_impl)))
+    print(f"\n{rows[-1]['mode']}: " + (rows[-1].get("error") or trace_summary.format_summary(rows[-1], top=12)))
+  return rows
+
+
+def profile_row(model: DecodeModel, budget: int | None, *, max_new: int, attn_impl: str) -> dict:
+  """One mode of the profile section: rounds and the trace summary's columns (times and counts per round)."""
+  generate(model, budget, max_new=max_new, attn_impl=attn_impl)                # compile + warm-up
+  with tempfile.TemporaryDirectory() as tmp:
+    with jax.profiler.trace(tmp, create_perfetto_trace=True):
+      rounds = generate(model, budget, max_new=max_new, attn_impl=attn_impl)["rounds"]
+    if out_dir := os.environ.get("OUT"):
+      (Path(out_dir) / "traces").mkdir(exist_ok=True)
+      shutil.copyfile(trace_summary.trace_file(tmp), Path(out_dir) / "traces" / f"{mode_name(budget)}.json.gz")
+    loop = "ar_decode" if budget is None else "spec_decode"
+    return trace_summary.summarize(tmp, phases=PHASES, rounds=max(rounds, 1), top=30, after=f"PjitFunction({loop})")
+
+
+def tune_section(*, smoke: bool, iters: int, reps: int, unroll: int) -> dict:
+  """``kernel_tune``'s sweep of launch configurations on Qwen3-8B attention shapes (a 2 x 2 sweep on the
+  smoke shape); prints the fastest configuration per shape against the default. Configurations that are
+  illegal for a shape are recorded, not failures of the run."""
+  shape = SMOKE if smoke else QWEN3_8B
+  sweep = dict(shapes=((1, 600), (5, 3)), configs=kernel_tune.CONFIGS[:1] + kernel_tune.CONFIGS[-1:]) if smoke else {}
+  result = kernel_tune.tune_section(
+      lambda n, prefix: make_inputs(shape, n, prefix, seed=n + prefix),
+      lambda fn, args: loop_seconds(fn, args, iters=max(iters // 4, 1), reps=reps, unroll=unroll),
+      interpret=smoke, **sweep)
+  print(f"\nkernel launch configurations, {shape}, fastest per shape (us; default "
+        f"{kernel_tune.DEFAULT}):")
+  print(format_table(result["best"]))
+  return result
 
 
 def write_report(report: dict) -> None:
@@ -239,6 +383,7 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--peak-tflops", type=float, help="peak dense bf16 TFLOP/s for unknown devices")
   parser.add_argument("--iters", type=int, default=20, help="timing samples per measurement")
   parser.add_argument("--reps", type=int, default=50, help="calls inside one jitted loop per timing sample")
+  parser.add_argument("--unroll", type=int, default=10, help="chained calls per iteration of that loop")
   parser.add_argument("--block-r", type=int, default=64)
   parser.add_argument("--block-k", type=int, default=64)
   parser.add_argument("--num-warps", type=int, default=4)
@@ -248,6 +393,11 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--decode-budgets", default="16,64,128")
   parser.add_argument("--decode-new-tokens", type=int, default=33)
   parser.add_argument("--skip-decode", action="store_true")
+  parser.add_argument("--skip-phases", action="store_true")
+  parser.add_argument("--skip-tune", action="store_true", help="skip the kernel's tile-size sweep (run last)")
+  parser.add_argument("--profile-budgets", default="16,128")
+  parser.add_argument("--profile-new-tokens", type=int, default=9)
+  parser.add_argument("--skip-profile", action="store_true")
   args = parser.parse_args(argv)
   if args.smoke:
     args.iters, args.reps = min(args.iters, 3), 1
@@ -257,8 +407,8 @@ def main(argv: list[str] | None = None) -> int:
   flops_peak = device_peak(DENSE_BF16_FLOPS, device.device_kind, args.peak_tflops, 1e12)
   tuning = dict(block_r=args.block_r, block_k=args.block_k, num_warps=args.num_warps,
                 num_stages=args.num_stages, num_splits=args.num_splits)
-  rows = kernel_section(smoke=args.smoke, iters=args.iters, reps=args.reps, hbm=hbm, flops_peak=flops_peak,
-                        tuning=tuning)
+  rows = kernel_section(smoke=args.smoke, iters=args.iters, reps=args.reps, unroll=args.unroll, hbm=hbm,
+                        flops_peak=flops_peak, tuning=tuning)
   shape = SMOKE if args.smoke else QWEN3_8B
   failed = [r for r in rows if "error" in r or not r["rel_err"] <= REL_TOLERANCE[shape.dtype]]
 
@@ -272,16 +422,38 @@ def main(argv: list[str] | None = None) -> int:
 
   report = dict(device_kind=device.device_kind, platform=device.platform, jax_version=jax.__version__,
                 hbm_bytes_per_s=hbm, dense_bf16_flops=flops_peak, smoke=args.smoke, iters=args.iters, reps=args.reps,
-                kernel=dict(shape=dataclasses.asdict(shape), tuning=tuning, rows=rows))
+                unroll=args.unroll, kernel=dict(shape=dataclasses.asdict(shape), tuning=tuning, rows=rows))
   write_report(report)                      # the kernel rows survive a failure or time-out below
+  impl = "pallas_interpret" if args.smoke else ("pallas" if device.platform == "gpu" else "xla")
+  needs_model = not (args.skip_phases and args.skip_decode and args.skip_profile)
+  model = decode_model(smoke=args.smoke, layers=args.decode_layers) if needs_model else None
+  budgets = tuple(int(b) for b in args.decode_budgets.split(","))
+  if not args.skip_phases:
+    phrows = phase_section(model, budgets=budgets, attn_impl=impl, iters=args.iters, reps=args.reps,
+                           unroll=args.unroll)
+    print(f"\nround phases timed alone, Qwen3-8B-shaped ({args.decode_layers} layers), batch 1, prefix "
+          f"{len(model.prompt[0])}, attention {impl}:")
+    print(format_table(phrows))
+    report["phases"] = dict(layers=args.decode_layers, attention=impl, rows=phrows)
+    failed += [r for r in phrows if "error" in r]
+    write_report(report)
   if not args.skip_decode:
-    impl = "pallas_interpret" if args.smoke else ("pallas" if device.platform == "gpu" else "xla")
-    drows = decode_section(smoke=args.smoke, layers=args.decode_layers, max_new=args.decode_new_tokens,
-                           budgets=tuple(int(b) for b in args.decode_budgets.split(",")), attn_impl=impl)
+    drows = decode_section(model, max_new=args.decode_new_tokens, attn_impl=impl, budgets=budgets)
     print(f"\njitted decode round, Qwen3-8B-shaped ({args.decode_layers} layers), batch 1, attention {impl}:")
     print(format_table(drows))
     report["decode"] = dict(layers=args.decode_layers, attention=impl, rows=drows)
     failed += [r for r in drows if "error" in r]
+    write_report(report)
+  if not args.skip_profile:
+    print(f"\nprofiled decode rounds ({args.profile_new_tokens} new tokens), per round, attention {impl}:")
+    prows = profile_section(model, max_new=args.profile_new_tokens, attn_impl=impl,
+                            budgets=tuple(int(b) for b in args.profile_budgets.split(",")))
+    report["profile"] = dict(layers=args.decode_layers, attention=impl, new_tokens=args.profile_new_tokens,
+                             phases=PHASES, rows=prows)
+    failed += [r for r in prows if "error" in r]
+    write_report(report)
+  if not args.skip_tune:
+    report["tune"] = tune_section(smoke=args.smoke, iters=args.iters, reps=args.reps, unroll=args.unroll)
     write_report(report)
   return 1 if failed else 0
 

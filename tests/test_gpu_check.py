@@ -1,5 +1,6 @@
 """bench/gpu_check.py, the one script a lent GPU runs: its --smoke mode on CPU (kernel in interpret
-mode), its JSON, and that a failing shape is recorded in its row instead of ending the run."""
+mode), its JSON and profile traces, and that a failing shape is recorded in its row instead of ending
+the run."""
 import importlib.util
 import json
 import os
@@ -21,7 +22,9 @@ def gpu_check():
 
 def test_smoke_run_writes_every_section(gpu_check, tmp_path, monkeypatch):
   monkeypatch.setenv("OUT", str(tmp_path))
-  assert gpu_check.main(["--smoke", "--decode-budgets", "16"]) == 0
+  # the profile section generates as many tokens as the decode section, so it reuses its compiled loops
+  assert gpu_check.main(["--smoke", "--decode-budgets", "16", "--profile-budgets", "16", "--decode-new-tokens", "9",
+                         "--profile-new-tokens", "9"]) == 0
   report = json.loads((tmp_path / "gpu_check.json").read_text())
   rows = report["kernel"]["rows"]
   assert [(r["n"], r["prefix"]) for r in rows] == [(1, 3), (1, 600), (5, 3), (5, 600)]
@@ -29,10 +32,35 @@ def test_smoke_run_writes_every_section(gpu_check, tmp_path, monkeypatch):
   assert [r["splits"] for r in rows] == [1, 2, 1, 2]
   assert [r["mode"] for r in report["decode"]["rows"]] == ["ar", "tree_b16"]
   assert all("error" not in r for r in report["decode"]["rows"])
+  profile = report["profile"]["rows"]
+  assert [r["mode"] for r in profile] == ["ar", "tree_b16"]
+  assert profile[0]["rounds"] == 8 and 1 <= profile[1]["rounds"] <= 8      # 9 tokens, the first from the prefill
+  assert all("error" not in r and 0 < r["busy_us"] <= r["span_us"] and r["events"] > 0 and r["kernels"]
+             for r in profile)
+  assert [p["name"] for p in profile[1]["phases"]] == [*gpu_check.PHASES, "other"]
+  assert sorted(os.listdir(tmp_path / "traces")) == ["ar.json.gz", "tree_b16.json.gz"]
+  phases = report["phases"]["rows"]
+  assert [r["phase"] for r in phases] == ["ar_forward", "verify_b16", "draft", "tree_b16"]
+  assert all("error" not in r and r["ms"] > 0 for r in phases) and phases[0]["ratio_to_ar_forward"] == 1.0
+  tune = report["tune"]
+  assert [(r["n"], r["prefix"]) for r in tune["best"]] == [(1, 600), (5, 3)]
+  assert all("us" in r for r in tune["rows"]) and all(r["speedup_vs_default"] >= 1 for r in tune["best"])
 
 
 def test_a_failing_shape_is_recorded_and_fails_the_run(gpu_check, tmp_path, monkeypatch):
   monkeypatch.setenv("OUT", str(tmp_path))
-  assert gpu_check.main(["--smoke", "--skip-decode", "--block-k", "48"]) == 1
+  assert gpu_check.main(["--smoke", "--skip-phases", "--skip-decode", "--skip-profile", "--skip-tune",
+                         "--block-k", "48"]) == 1
   rows = json.loads((tmp_path / "gpu_check.json").read_text())["kernel"]["rows"]
   assert len(rows) == 4 and all("block_k=48" in r["error"] for r in rows)
+
+
+def test_an_illegal_tuning_config_is_recorded_not_raised(gpu_check):
+  from bench import kernel_tune
+  shape = gpu_check.SMOKE
+  configs = (kernel_tune.DEFAULT, dict(kernel_tune.DEFAULT, block_k=48))
+  result = kernel_tune.tune_section(lambda n, p: gpu_check.make_inputs(shape, n, p, seed=0), lambda fn, args: (fn(*args), 1e-6)[1],
+                                    shapes=((5, 3),), configs=configs, interpret=True)
+  good, bad = result["rows"]
+  assert good["us"] == 1.0 and "block_k=48" in bad["error"]
+  assert result["best"] == [dict(good, default_us=1.0, speedup_vs_default=1.0)]
