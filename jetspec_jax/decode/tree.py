@@ -35,6 +35,7 @@ import jax.numpy as jnp
 from jetspec_jax.errors import JetSpecError
 
 TREE_METHODS = ("accum_logp", "top2gap", "chain")
+MAX_POPS_PER_STEP = 8     # pops unrolled in one step of the search loop (bounds the unrolled code)
 
 
 @flax.struct.dataclass
@@ -116,13 +117,16 @@ def _heap_tree(anchor: jax.Array, top_tok: jax.Array, top_lp: jax.Array, caps: j
   order; caps [D] int32 child cap per parent depth. Returns tokens, parents, depths,
   valid [N] and ancestors [N, N] with N = budget.
 
-  Each step pops the in-heap node with the highest score (lowest index among ties) and writes
+  A pop takes the in-heap node with the highest score (lowest index among ties) and writes
   its children as one W-wide masked block at [n, n + W); internal arrays have N + W rows so the
   block always fits, and rows >= N are sliced off at the end. Nodes at depth D join the tree but
-  not the heap (popping one would add nothing), so every step adds at least one node and the
-  loop stops when the tree is full or the heap is empty: ceil((N - 1) / W) steps for a full
-  accum_logp tree instead of N. (On a GPU each loop step is a host round-trip for the predicate;
-  under vmap the loop runs until the slowest row is done, finished rows unchanged.)
+  not the heap (popping one would add nothing), so every pop adds at least one node until the
+  tree is full or the heap is empty; a pop after that changes nothing. The loop stops there,
+  and each of its steps makes min(ceil((N - 1) / W), MAX_POPS_PER_STEP) pops (ceil((N - 1) / W)
+  is the fewest that can fill the tree): on a GPU each loop step costs a host round-trip for
+  the predicate, so a full accum_logp tree of 128 nodes, W = 7, takes 3 steps instead of 128.
+  top2gap with smaller caps takes more. Under vmap the loop runs until the slowest row is
+  done; finished rows are unchanged.
   """
   depth, width = top_tok.shape
   n_nodes, rows = budget, budget + width
@@ -146,7 +150,7 @@ def _heap_tree(anchor: jax.Array, top_tok: jax.Array, top_lp: jax.Array, caps: j
     best = jnp.max(jnp.where(in_heap, score, -jnp.inf))
     parent = jnp.argmax(in_heap & (score == best)).astype(jnp.int32)   # first best heap node
     d = s["depths"][parent]                                           # < D: deeper nodes never enter
-    k = jnp.minimum(caps[d], n_nodes - n)
+    k = jnp.where(jnp.any(in_heap), jnp.minimum(caps[d], n_nodes - n), 0)
     live = slot < k
     child = n + slot
 
@@ -163,7 +167,12 @@ def _heap_tree(anchor: jax.Array, top_tok: jax.Array, top_lp: jax.Array, caps: j
         in_heap=put(in_heap.at[parent].set(False), live & (d + 1 < depth)),
         anc=put(s["anc"], anc_rows))
 
-  s = jax.lax.while_loop(growing, pop_and_expand, init)
+  def pops(s):
+    for _ in range(min(MAX_POPS_PER_STEP, max(1, -(-(n_nodes - 1) // width)))):
+      s = pop_and_expand(s)
+    return s
+
+  s = jax.lax.while_loop(growing, pops, init)
   valid = jnp.arange(n_nodes) < s["n"]
   return (s["tokens"][:n_nodes], s["parents"][:n_nodes], s["depths"][:n_nodes], valid,
           s["anc"][:n_nodes])
