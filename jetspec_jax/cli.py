@@ -144,10 +144,18 @@ def cmd_train(args) -> dict:
 
 
 def cmd_regenerate(args) -> dict:
+  from jetspec_jax import distributed
   from jetspec_jax.train.regenerate import regenerate
+  info = distributed.initialize()
+  if info.is_multiprocess and not args.mesh:        # every process's devices, the batch split over them
+    from jetspec_jax.sharding import make_mesh, parse_mesh
+    mesh = make_mesh(*parse_mesh(None))
+  else:
+    mesh = _mesh(args)
   res = regenerate(args.target, args.source, args.out_dir, max_new_tokens=args.max_new_tokens,
                    batch_size=args.batch_size, temperature=args.temperature, seed=args.seed, limit=args.limit,
-                   mesh=_mesh(args), progress=not args.json)
+                   mesh=mesh, progress=not args.json)
+  res["processes"] = info.process_count
   _emit(args, res, json.dumps(res, indent=2))
   return res
 

@@ -344,3 +344,21 @@ def host_values(tree):
   from jax.experimental import multihost_utils
   return multihost_utils.process_allgather(tree, tiled=True)
 
+
+
+def from_first_process(value):
+  """Process 0's ``value`` (anything JSON can hold) on every process; ``value`` of the others is ignored.
+  One process: ``value`` itself. In several processes every process must call it (two broadcasts: the
+  length of the JSON text, then the text)."""
+  import json
+
+  import jax
+  import numpy as np
+  if jax.process_count() == 1:
+    return value
+  from jax.experimental import multihost_utils
+  text = json.dumps(value).encode() if jax.process_index() == 0 else b""
+  length = int(multihost_utils.broadcast_one_to_all(np.array([len(text)], np.int32))[0])
+  padded = np.zeros(length, np.uint8)
+  padded[:len(text)] = np.frombuffer(text, np.uint8)
+  return json.loads(bytes(np.asarray(multihost_utils.broadcast_one_to_all(padded), np.uint8)).decode())

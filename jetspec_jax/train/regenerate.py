@@ -10,6 +10,11 @@ message keeps the ids the target generated (``token_ids``, EOS excluded) beside 
 data module trains on those ids. A rerun with the same settings skips complete chunks, so an
 interrupted run continues without losing or repeating rows; ``train.data.read_jsonl(out_dir)``
 reads the result.
+
+In a multi-process job (``jetspec_jax.distributed.initialize``) every process runs the same
+generation over the ``mesh`` (which spans every process's devices: the batch is split over them),
+process 0 alone checks the settings, lists the complete chunks and writes files, and every process
+sees its decisions and returns the same summary once the files are written.
 """
 from __future__ import annotations
 
@@ -27,7 +32,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from jetspec_jax.decode import loop
-from jetspec_jax.distributed import host_values
+from jetspec_jax.distributed import from_first_process, host_values
 from jetspec_jax.errors import JetSpecError
 from jetspec_jax.models import qwen3
 from jetspec_jax.tokenizer import IM_END, PAD, load_tokenizer
@@ -107,18 +112,23 @@ def _resolve_target(target, mesh):
   return cfg, params, load_tokenizer(tokenizer) if isinstance(tokenizer, (str, os.PathLike)) else tokenizer
 
 
-def _check_manifest(out_dir: str, settings: dict) -> None:
+def _open_output(out_dir: str, settings: dict) -> dict:
+  """Check (or write) the manifest of ``out_dir`` and list its complete chunks: {"problem": None or what
+  is wrong, "chunks": [[start, end, name], ...]}. Runs on process 0 only (see ``regenerate``)."""
+  os.makedirs(out_dir, exist_ok=True)
   path = os.path.join(out_dir, MANIFEST)
   if os.path.isfile(path):
     with open(path) as f:
       stored = json.load(f)
     for key, value in settings.items():
       if stored.get(key) != value:
-        raise JetSpecError(f"{out_dir} was regenerated with {key}={stored.get(key)!r}, not {value!r}: "
-                           f"rerun with the same settings or use a new output directory")
-    return
-  with open(path, "w") as f:
-    json.dump(settings, f, indent=2)
+        return {"problem": f"{out_dir} was regenerated with {key}={stored.get(key)!r}, not {value!r}: "
+                           f"rerun with the same settings or use a new output directory", "chunks": []}
+  else:
+    with open(path, "w") as f:
+      json.dump(settings, f, indent=2)
+  return {"problem": None,
+          "chunks": [[int(m[1]), int(m[2]), name] for name in os.listdir(out_dir) if (m := CHUNK_RE.match(name))]}
 
 
 def _write_jsonl(path: str, rows: list[dict]) -> None:
@@ -162,12 +172,14 @@ def regenerate(target, source: str, out_dir: str, *, max_new_tokens: int = 1024,
   if first is None:
     raise JetSpecError(f"source {source} holds no conversations")
   conversations = itertools.chain([first], conversations)
-  os.makedirs(out_dir, exist_ok=True)
-  _check_manifest(out_dir, settings)
-  existing = {int(m[1]): (int(m[2]), name) for name in os.listdir(out_dir) if (m := CHUNK_RE.match(name))}
+  writer = jax.process_index() == 0
+  output = from_first_process(_open_output(out_dir, settings) if writer else None)
+  if output["problem"]:
+    raise JetSpecError(output["problem"])
+  existing = {start: (end, name) for start, end, name in output["chunks"]}
 
   summary = dict.fromkeys(("examples", "skipped", "truncated", "chunks_written", "chunks_reused", "tokens"), 0)
-  bar = tqdm(total=limit, unit="conv", desc="regenerate", disable=not progress)
+  bar = tqdm(total=limit, unit="conv", desc="regenerate", disable=not (progress and writer))
 
   def count(tokens: int) -> None:
     summary["tokens"] += tokens
@@ -180,17 +192,21 @@ def regenerate(target, source: str, out_dir: str, *, max_new_tokens: int = 1024,
       summary["chunks_reused"] += 1
       bar.update(len(chunk))
       continue
-    if old_name:   # a shorter chunk from a run with a smaller limit: redo it
+    if old_name and writer:   # a shorter chunk from a run with a smaller limit: redo it
       os.remove(os.path.join(out_dir, old_name))
     rows = _regenerate_chunk(params, cfg, encoder, chunk, start, summary, count, batch_size=batch_size,
                              max_new_tokens=max_new_tokens, eos_ids=eos_ids, temperature=float(temperature),
                              key=jax.random.fold_in(jax.random.key(seed), k), max_turns=max_turns,
                              max_prompt_tokens=max_prompt_tokens, mesh=mesh)
-    _write_jsonl(os.path.join(out_dir, chunk_name(start, end)), rows)
+    if writer:
+      _write_jsonl(os.path.join(out_dir, chunk_name(start, end)), rows)
     summary["examples"] += len(rows)
     summary["chunks_written"] += 1
     bar.update(len(chunk))
   bar.close()
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils
+    multihost_utils.sync_global_devices("jetspec_regenerated")   # no process returns before the files exist
   return {**summary, "out_dir": os.path.abspath(out_dir), "seconds": time.perf_counter() - t0}
 
 
