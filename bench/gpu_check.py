@@ -273,8 +273,9 @@ def phase_section(model: DecodeModel, *, budgets: tuple[int, ...], attn_impl: st
 
   ar_forward: the target forward of one token (an AR step's work); verify_b<N>: the target forward of an
   N-node random tree plus the argmax of its logits (the issue's "verify round", goal <= 1.2x ar_forward
-  at N = 128); draft: the head's block forward and per-depth logits; tree_b<N>: the best-first tree search
-  from random per-depth logits. ``ratio_to_ar_forward`` compares each with ar_forward."""
+  at N = 128); draft: the head's block forward and per-depth logits; tree_heap_b<N> / tree_best_b<N>: the
+  accum_logp search (a loop) / the best_nodes selection (no loop) from random per-depth logits, width 7.
+  ``ratio_to_ar_forward`` compares each with ar_forward."""
   from jetspec_jax.decode.tree import build_tree
   from jetspec_jax.models import draft_head, qwen3
   cfg, head_cfg = model.cfg, model.head_cfg
@@ -306,15 +307,16 @@ def phase_section(model: DecodeModel, *, budgets: tuple[int, ...], attn_impl: st
     cache = draft_head.init_context_cache(head_cfg, 1, prefix + head_cfg.block_size, dtype)
     return dict(ms=1e3 * carried_seconds(step, (model.params, model.head), cache, **timed))
 
-  def tree_row(budget):
+  def tree_row(method, budget):
     logits = jnp.asarray(3 * rng.standard_normal((1, head_cfg.depth, cfg.vocab_size)), jnp.float32)
-    build = lambda lg: build_tree(jnp.zeros((1,), jnp.int32), lg, method="accum_logp", budget=budget, width=7).tokens
+    build = lambda lg: build_tree(jnp.zeros((1,), jnp.int32), lg, method=method, budget=budget, width=7).tokens
     return dict(ms=1e3 * loop_seconds(build, (logits,), **timed))
 
   rows = [guarded(dict(phase="ar_forward", nodes=1), lambda: forward_row(1))]
   rows += [guarded(dict(phase=f"verify_b{n}", nodes=n), lambda n=n: forward_row(n)) for n in budgets]
   rows.append(guarded(dict(phase="draft", nodes=head_cfg.block_size), draft_row))
-  rows += [guarded(dict(phase=f"tree_b{n}", nodes=n), lambda n=n: tree_row(n)) for n in budgets]
+  rows += [guarded(dict(phase=f"tree_{short}_b{n}", nodes=n), lambda m=method, n=n: tree_row(m, n))
+           for short, method in (("heap", "accum_logp"), ("best", "best_nodes")) for n in budgets]
   ar_ms = rows[0].get("ms")
   for row in rows:
     row["ratio_to_ar_forward"] = None if ar_ms is None or "ms" not in row else row["ms"] / ar_ms

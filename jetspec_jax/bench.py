@@ -103,9 +103,10 @@ def time_mode(run_batch, prompts, batch_size: int, repeats: int) -> dict:
 
 
 def run(target_params, cfg, head_params, head_cfg, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
-        budgets: Sequence[int] = (16, 32, 64), width: int = 7, depth: int | None = None, batch_size: int = 1,
-        repeats: int = 3, eos_ids=None, attn_impl: str = "xla", hf_dir: str | None = None, progress=print) -> dict:
-  """AR, chain and tree (each budget) on the same prompts; returns the result dict (see module doc)."""
+        budgets: Sequence[int] = (16, 32, 64), width: int = 7, depth: int | None = None, method: str = "accum_logp",
+        batch_size: int = 1, repeats: int = 3, eos_ids=None, attn_impl: str = "xla", hf_dir: str | None = None,
+        progress=print) -> dict:
+  """AR, chain and tree (``method``, each budget) on the same prompts; returns the result dict (see module doc)."""
   from jetspec_jax.decode.loop import generate_ar
   from jetspec_jax.decode.speculative import TreeConfig, generate_speculative
   depth = depth or head_cfg.depth
@@ -116,7 +117,7 @@ def run(target_params, cfg, head_params, head_cfg, prompts: Sequence[Sequence[in
                                        attn_impl=attn_impl), prompts, batch_size, repeats)
   ar_tokens = [t for o in ar.pop("outputs") for t in o["token_ids"]]
   modes["ar"] = ar | {"tau": 1.0}
-  trees = [("chain", TreeConfig("chain", 1, 1, depth))] + [(f"tree_b{b}", TreeConfig("accum_logp", b, width, depth))
+  trees = [("chain", TreeConfig("chain", 1, 1, depth))] + [(f"tree_b{b}", TreeConfig(method, b, width, depth))
                                                           for b in budgets]
   for name, tree in trees:
     progress(f"{name} ({tree.method}, budget {tree.num_nodes()} nodes, width {tree.width}, depth {tree.depth})")
@@ -135,7 +136,8 @@ def run(target_params, cfg, head_params, head_cfg, prompts: Sequence[Sequence[in
   for m in modes.values():
     m["speedup_vs_ar"] = m["tokens_per_s"] / modes["ar"]["tokens_per_s"]
   result = {"num_prompts": len(prompts), "prompt_len": len(prompts[0]), "max_new_tokens": max_new_tokens,
-            "batch_size": batch_size, "repeats": repeats, "width": width, "depth": depth, "modes": modes,
+            "batch_size": batch_size, "repeats": repeats, "method": method, "width": width, "depth": depth,
+            "modes": modes,
             "timing": "median tokens/s over repeats; compile + first batch excluded (compile_s)"}
   if hf_dir:
     progress("transformers greedy generate (torch, CPU)")
@@ -191,7 +193,7 @@ def plots(result: dict, out_dir: str) -> list[str]:
   for key, ylabel, fname in (("tau", "tau (tokens per round)", "tau_vs_budget.png"),
                              ("speedup_vs_ar", "speedup over AR", "speedup_vs_budget.png")):
     fig, ax = plt.subplots(figsize=(5, 3.5))
-    ax.plot([b for b, _ in trees], [m[key] for _, m in trees], "o-", label="tree (accum_logp)")
+    ax.plot([b for b, _ in trees], [m[key] for _, m in trees], "o-", label=f"tree ({result.get('method', 'accum_logp')})")
     ax.axhline(modes["chain"][key], color="gray", ls="--", label="chain")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("tree budget (nodes)")

@@ -176,7 +176,7 @@ def cmd_bench(args) -> dict:
     prompts = bench.prompt_bank(bank, tokenizer, num_prompts=args.num_prompts, prompt_len=args.prompt_len)
     results[os.path.basename(bank)] = bench.run(
         params, cfg, head_params, head_cfg, prompts, max_new_tokens=args.max_new_tokens, budgets=budgets,
-        width=args.width, depth=args.depth, batch_size=args.batch_size, repeats=args.repeats,
+        width=args.width, depth=args.depth, method=args.tree, batch_size=args.batch_size, repeats=args.repeats,
         eos_ids=None if args.stop_at_eos else (), attn_impl=resolve_implementation(args.attention),
         hf_dir=side if args.transformers and not os.path.isdir(os.path.join(side, "params")) else None,
         progress=say)
@@ -199,13 +199,15 @@ def cmd_demo(args) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
+  from jetspec_jax.decode.tree import TREE_METHODS
   p = argparse.ArgumentParser(prog="jetspec-jax", description="JetSpec tree speculative decoding for Qwen3 in JAX")
   sub = p.add_subparsers(dest="command", required=True)
 
   def common(sp, mesh=True):
     sp.add_argument("--json", action="store_true", help="print one JSON object instead of a summary")
     if mesh:
-      sp.add_argument("--mesh", help="device mesh DATAxMODEL, e.g. 2x4 (default: all devices on data)")
+      sp.add_argument("--mesh", help="device mesh DATAxMODEL, e.g. 2x4 (default: one device; in a multi-process "
+                                     "regenerate, all devices on data)")
 
   c = sub.add_parser("convert", help="Hugging Face Qwen3 directory -> JetSpec-JAX (orbax) checkpoint")
   c.add_argument("hf_dir")
@@ -239,7 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
                  help="speculative acceptance rule at temperature > 0")
   g.add_argument("--eos-ids", help="comma-separated EOS ids (default: the config's; '' never stops early)")
   g.add_argument("--head", help="JetSpec draft head directory (HF format): enables speculative decoding")
-  g.add_argument("--tree", default="accum_logp", choices=["accum_logp", "top2gap", "chain"])
+  g.add_argument("--tree", default="accum_logp", choices=list(TREE_METHODS))
   g.add_argument("--budget", type=int, default=64, help="tree node budget (counts the root)")
   g.add_argument("--width", type=int, default=7, help="top-W tokens per depth")
   g.add_argument("--depth", type=int, default=None, help="draft depth (default: block_size - 1)")
@@ -273,6 +275,8 @@ def build_parser() -> argparse.ArgumentParser:
   b.add_argument("--prompt-len", type=int, default=64, help="prompts are left-truncated to this many tokens")
   b.add_argument("--max-new-tokens", type=int, default=64)
   b.add_argument("--budgets", default="16,32,64")
+  b.add_argument("--tree", default="accum_logp", choices=[m for m in TREE_METHODS if m != "chain"],
+                 help="tree method of the budget sweep (the chain is always measured)")
   b.add_argument("--width", type=int, default=7)
   b.add_argument("--depth", type=int, default=None)
   b.add_argument("--batch-size", type=int, default=1)

@@ -40,7 +40,7 @@ def test_smoke_run_writes_every_section(gpu_check, tmp_path, monkeypatch):
   assert [p["name"] for p in profile[1]["phases"]] == [*gpu_check.PHASES, "other"]
   assert sorted(os.listdir(tmp_path / "traces")) == ["ar.json.gz", "tree_b16.json.gz"]
   phases = report["phases"]["rows"]
-  assert [r["phase"] for r in phases] == ["ar_forward", "verify_b16", "draft", "tree_b16"]
+  assert [r["phase"] for r in phases] == ["ar_forward", "verify_b16", "draft", "tree_heap_b16", "tree_best_b16"]
   assert all("error" not in r and r["ms"] > 0 for r in phases) and phases[0]["ratio_to_ar_forward"] == 1.0
   tune = report["tune"]
   assert [(r["n"], r["prefix"]) for r in tune["best"]] == [(1, 600), (5, 3)]

@@ -184,6 +184,7 @@ def run_spec(tree_cfg, variants, *, batch, max_new, temperature, top_k=0, top_p=
 
 
 TREE = TreeConfig("accum_logp", budget=8, width=4, depth=3)
+BEST_NODES = TreeConfig("best_nodes", budget=8, width=4, depth=3)
 CHAIN = TreeConfig("chain", budget=1, width=1, depth=3)
 TREE_VARIANTS = ("root", "random", "zero_top", "head")
 CHAIN_VARIANTS = ("root", "random", "zero_top", "oracle")
@@ -192,6 +193,7 @@ BATCH = 12000
 SPEC_CASES = [
     # (accept, tree, variants, temperature, top_k, top_p, max_new)
     ("rejection", TREE, TREE_VARIANTS, 1.0, 3, 1.0, NUM_TOKENS),      # top-k 3 < width 4: support runs out
+    ("rejection", BEST_NODES, TREE_VARIANTS, 0.8, 0, 0.9, NUM_TOKENS),
     ("rejection", CHAIN, CHAIN_VARIANTS, 0.7, 0, 0.8, 1 + 2 * 4),     # two full oracle rounds
     ("match", TREE, TREE_VARIANTS, 1.0, 0, 1.0, NUM_TOKENS),
     ("match", CHAIN, CHAIN_VARIANTS, 1.3, 5, 0.9, NUM_TOKENS),
@@ -223,7 +225,8 @@ def test_speculative_sampling_is_lossless(accept, tree_cfg, variants, temperatur
 def test_match_accepts_with_the_mass_of_the_children():
   """match at depth 1 accepts with probability p(children of the root), the root's children being
   the top-W tokens of q (here q = p: the target's own top-W at the anchor context)."""
-  accept, tree_cfg, variants, temperature, top_k, top_p, max_new = SPEC_CASES[2]
+  accept, tree_cfg, variants, temperature, top_k, top_p, max_new = next(
+      case for case in SPEC_CASES if case[:2] == ("match", TREE))
   tokens, hist = run_spec(tree_cfg, variants, batch=BATCH, max_new=max_new, temperature=temperature,
                           top_k=top_k, top_p=top_p, accept=accept, seed=2, first_round_only=True)
   which = np.arange(BATCH) % len(variants)

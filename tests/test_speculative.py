@@ -44,6 +44,8 @@ LOSSLESS_CASES = [
     ("accum_logp", 1, 7, 4, 3, 6),
     ("top2gap", 16, 3, 4, 3, 21),
     ("top2gap", 64, 7, 15, 1, 30),
+    ("best_nodes", 16, 7, 15, 3, 23),
+    ("best_nodes", 64, 3, 4, 1, 21),
     ("chain", 1, 1, 15, 3, 25),
     ("chain", 1, 1, 4, 1, 13),
 ]

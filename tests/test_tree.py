@@ -49,6 +49,37 @@ def _reference_row(anchor, log_probs, method, budget, width, beta, g0):
       parents.append(p)
       depths.append(d + 1)
       scores.append(score)
+  return _padded(tokens, parents, depths, budget)
+
+
+def _best_nodes_reference_row(anchor, log_probs, budget, width):
+  """Every node of the full W-ary tree (W^D of them), ordered by (-score, depth, position) where a depth's
+  positions order its nodes by (-score, parent's position, rank); the first N - 1 of finite score, numbered by
+  (depth, position). Asserts that every chosen node's parent was chosen."""
+  depth = log_probs.shape[0]
+  rank = np.argsort(-log_probs, axis=-1, kind="stable")[:, :width]
+  top_lp = np.take_along_axis(log_probs, rank, axis=-1)
+  levels = [[(np.float32(0.0), ())]]                                   # per depth: (score, rank path), by position
+  for d in range(depth):
+    children = [(np.float32(score + top_lp[d, r]), pos, r, path + (r,))
+                for pos, (score, path) in enumerate(levels[-1]) for r in range(width)]
+    children.sort(key=lambda c: (-float(c[0]), c[1], c[2]))
+    levels.append([(c[0], c[3]) for c in children])
+  ranked = sorted((-float(score), d, pos, path) for d in range(1, depth + 1)
+                  for pos, (score, path) in enumerate(levels[d]) if np.isfinite(score))
+  chosen = sorted(ranked[:budget - 1], key=lambda x: (x[1], x[2]))
+  ids, tokens, parents, depths = {(): 0}, [int(anchor)], [0], [0]
+  for _, d, _, path in chosen:
+    assert path[:-1] in ids, "the chosen set is not closed under taking parents"
+    ids[path] = len(tokens)
+    tokens.append(int(rank[d - 1, path[-1]]))
+    parents.append(ids[path[:-1]])
+    depths.append(d)
+  return _padded(tokens, parents, depths, budget)
+
+
+def _padded(tokens, parents, depths, budget):
+  """Reference lists of n nodes -> a dict of [N] arrays (padding as the device pads) and ancestors [N, N]."""
   n = len(tokens)
   ancestors = np.eye(budget, dtype=bool)
   for i in range(1, n):
@@ -63,7 +94,8 @@ def _assert_matches_reference(anchor, logits, method, budget, width, beta=2.0, g
   # XLA's own log-probs, so ulp-level differences from a NumPy softmax cannot reorder near-ties.
   log_probs = np.asarray(jax.nn.log_softmax(jnp.asarray(logits, jnp.float32), axis=-1))
   for b in range(logits.shape[0]):
-    ref = _reference_row(anchor[b], log_probs[b], method, budget, width, beta, g0)
+    ref = (_best_nodes_reference_row(anchor[b], log_probs[b], budget, width) if method == "best_nodes" else
+           _reference_row(anchor[b], log_probs[b], method, budget, width, beta, g0))
     for field, want in ref.items():
       np.testing.assert_array_equal(getattr(tree, field)[b], want, err_msg=f"{field}, row {b}")
   return tree
@@ -95,6 +127,40 @@ def test_matches_heapq_reference(method, budget, width, depth, vocab):
     _assert_matches_reference(anchor, logits, method, budget, width)
 
 
+BEST_NODES_CASES = [  # (budget, width, depth, vocab): the reference enumerates all W^D nodes
+    (1, 3, 3, 40),
+    (2, 1, 5, 40),
+    (5, 7, 1, 40),
+    (16, 3, 4, 60),
+    (40, 4, 4, 60),
+    (64, 2, 7, 30),
+]
+
+
+@pytest.mark.parametrize("budget,width,depth,vocab", BEST_NODES_CASES)
+def test_best_nodes_matches_exhaustive_reference(budget, width, depth, vocab):
+  for seed in range(3):
+    anchor, logits = _random_case(seed, depth, vocab)
+    _assert_matches_reference(anchor, logits, "best_nodes", budget, width)
+
+
+def test_best_nodes_holds_at_least_the_probability_mass_of_accum_logp():
+  """The sum over nodes of the path probability (the draft's expected accepted length) is the most any
+  N-node tree holds, so it is at least accum_logp's, and strictly more when accum_logp adds unlikely siblings."""
+  anchor, logits = _random_case(5, 8, 100, batch=4, scale=2.0)
+  log_probs = jax.nn.log_softmax(jnp.asarray(logits), axis=-1)
+
+  def mass(tree):
+    lp = np.take_along_axis(np.asarray(log_probs), tree.tokens[:, None, 1:].repeat(8, 1), axis=2)   # [B, D, N-1]
+    node_lp = np.take_along_axis(lp, (tree.depths[:, None, 1:] - 1).clip(0), axis=1)[:, 0]        # [B, N-1]
+    path = (tree.ancestors[:, 1:, 1:] * node_lp[:, None, :]).sum(-1)                              # [B, N-1]
+    return (np.exp(path) * tree.valid[:, 1:]).sum(-1)
+
+  for budget in (8, 32):
+    best, heap = (mass(_build(anchor, logits, m, budget, 7)) for m in ("best_nodes", "accum_logp"))
+    assert np.all(best >= heap - 1e-5) and np.any(best > heap + 1e-3), (best, heap)
+
+
 @pytest.mark.parametrize("beta,g0", [(1.0, 1.0), (0.5, 4.0)])
 def test_top2gap_knobs_match_reference(beta, g0):
   for seed in range(3):
@@ -102,7 +168,7 @@ def test_top2gap_knobs_match_reference(beta, g0):
     _assert_matches_reference(anchor, logits, "top2gap", 64, 7, beta, g0)
 
 
-@pytest.mark.parametrize("method", ["accum_logp", "top2gap"])
+@pytest.mark.parametrize("method", ["accum_logp", "top2gap", "best_nodes"])
 @pytest.mark.parametrize("same_rows", [False, True])
 def test_exact_ties_match_reference(method, same_rows):
   """Repeated logit values tie log-probs within a depth; identical depths tie whole paths."""
@@ -116,7 +182,7 @@ def test_exact_ties_match_reference(method, same_rows):
     assert tree.tokens[0, 1] == np.flatnonzero(logits[0, 0] == logits[0, 0].max())[0]
 
 
-@pytest.mark.parametrize("method", ["accum_logp", "top2gap"])
+@pytest.mark.parametrize("method", ["accum_logp", "top2gap", "best_nodes"])
 def test_masked_vocabulary_matches_reference(method):
   """-inf logits (fewer finite tokens than W) give -inf scores that still order like heapq."""
   anchor, logits = _random_case(3, 5, 40)
@@ -170,7 +236,7 @@ def test_tree_smaller_than_budget_is_padded():
   np.testing.assert_array_equal(tree.ancestors[:, 5:], np.broadcast_to(np.eye(16, dtype=bool)[5:], (3, 11, 16)))
 
 
-@pytest.mark.parametrize("method", ["accum_logp", "top2gap"])
+@pytest.mark.parametrize("method", ["accum_logp", "top2gap", "best_nodes"])
 def test_tree_invariants(method):
   anchor, logits = _random_case(7, 15, 256, scale=1.0)
   tree = _build(anchor, logits, method, 64, 7)
@@ -196,7 +262,8 @@ def test_tree_size():
   assert tree_size("accum_logp", 256, 15) == 256
   assert tree_size("top2gap", 1, 15) == 1
   assert tree_size("chain", 256, 15) == 16
-  assert set(TREE_METHODS) == {"accum_logp", "top2gap", "chain"}
+  assert tree_size("best_nodes", 64, 15) == 64
+  assert set(TREE_METHODS) == {"accum_logp", "top2gap", "best_nodes", "chain"}
 
 
 @pytest.mark.parametrize("kwargs,match", [

@@ -13,6 +13,16 @@ depth k+1. Methods:
   top2gap     the same search, but children at depth d+1 are capped at
               max(1, round(W * sigmoid(-beta * (g - g0)))), g = lp_rank1 - lp_rank2 of the
               depth-(d+1) distribution (round half to even). N = budget.
+  best_nodes  the N - 1 nodes of highest cumulative log-prob among all nodes of depth 1..D
+              whose parent is in the tree (every depth's candidates: the same top-W tokens),
+              plus the root: the best tree of N nodes for a given budget, where accum_logp
+              always adds a popped node's W children even when a deeper node is likelier.
+              Order: score, then depth, then position at that depth (parent's position,
+              then token rank), so a parent always precedes a child of equal score and the
+              set is closed under taking parents. Found without a search loop: D top-k
+              steps over the (N - 1) x W children of the previous depth's N - 1 best nodes,
+              then one top-k over all depths. Nodes are numbered by depth, then position;
+              nodes of score -inf are never chosen (a smaller tree is padded). N = budget.
   chain       node d (depth d) is the argmax of depth d's logits, parent d-1. N = D + 1.
 
 Sampled trees (``depth_tokens``): the SHAPE (parents, depths, child ranks) is built exactly as
@@ -34,7 +44,7 @@ import jax.numpy as jnp
 
 from jetspec_jax.errors import JetSpecError
 
-TREE_METHODS = ("accum_logp", "top2gap", "chain")
+TREE_METHODS = ("accum_logp", "top2gap", "best_nodes", "chain")
 MAX_POPS_PER_STEP = 8     # pops unrolled in one step of the search loop (bounds the unrolled code)
 
 
@@ -178,6 +188,55 @@ def _heap_tree(anchor: jax.Array, top_tok: jax.Array, top_lp: jax.Array, caps: j
           s["anc"][:n_nodes])
 
 
+def _best_nodes_tree(anchor: jax.Array, top_tok: jax.Array, top_lp: jax.Array,
+                     budget: int) -> tuple[jax.Array, ...]:
+  """The ``best_nodes`` tree of one batch row (vmapped over the batch); arguments and results as
+  ``_heap_tree``.
+
+  Depth d keeps its M = N - 1 best nodes (a candidate is a kept node of depth d - 1 plus one of
+  the W tokens; top_k over the candidates laid out as [parent position, rank] breaks score ties
+  by parent position, then rank); every node of the final M best has its parent among the M best
+  of the previous depth, so no candidate is lost. The final top_k runs over the kept nodes laid
+  out depth-major (ties: lower depth first).
+  """
+  depth, width = top_tok.shape
+  m = budget - 1
+  n_nodes = budget
+  if m == 0:
+    eye = jnp.eye(1, dtype=bool)
+    zero = jnp.zeros(1, jnp.int32)
+    return anchor[None].astype(jnp.int32), zero, zero, jnp.ones(1, bool), eye
+  scores, parent_pos, ranks = [], [], []
+  level = jnp.pad(top_lp[0], (0, max(m - width, 0)), constant_values=-jnp.inf)[:m]   # depth 1: the ranks
+  scores.append(level)
+  parent_pos.append(jnp.zeros(m, jnp.int32))
+  ranks.append(jnp.minimum(jnp.arange(m, dtype=jnp.int32), width - 1))
+  for d in range(1, depth):
+    children = (scores[-1][:, None] + top_lp[d][None, :]).reshape(-1)                 # [M * W]
+    best, idx = jax.lax.top_k(children, m)
+    scores.append(best)
+    parent_pos.append((idx // width).astype(jnp.int32))
+    ranks.append((idx % width).astype(jnp.int32))
+  flat_scores = jnp.concatenate(scores)                                                 # [D * M] depth-major
+  _, chosen = jax.lax.top_k(flat_scores, m)
+  selected = jnp.zeros(depth * m, bool).at[chosen].set(True) & (flat_scores > -jnp.inf)
+  node_id = jnp.where(selected, jnp.cumsum(selected), n_nodes)                          # n_nodes: dropped
+  level_of = jnp.repeat(jnp.arange(depth, dtype=jnp.int32), m)
+  rank = jnp.concatenate(ranks)
+  parent_flat = (level_of - 1) * m + jnp.concatenate(parent_pos)
+  parent_id = jnp.where(level_of == 0, 0, node_id[jnp.maximum(parent_flat, 0)])
+  place = lambda values, fill: jnp.full(n_nodes, fill, values.dtype).at[node_id].set(values, mode="drop")
+  tokens = place(top_tok[level_of, rank], 0).at[0].set(anchor)
+  parents = place(parent_id.astype(jnp.int32), 0)
+  depths = place(level_of + 1, 0)
+  valid = place(selected, False).at[0].set(True)
+  eye = jnp.eye(n_nodes, dtype=bool)
+  anc = eye
+  for _ in range(depth):
+    anc = eye | (anc[parents] & valid[:, None])
+  return tokens, parents, depths, valid, anc
+
+
 def build_tree(anchor: jax.Array, depth_logits: jax.Array, *, method: str, budget: int,
                width: int, top2gap_beta: float = 2.0, top2gap_g0: float = 1.0,
                depth_tokens: jax.Array | None = None) -> Tree:
@@ -207,10 +266,14 @@ def build_tree(anchor: jax.Array, depth_logits: jax.Array, *, method: str, budge
     raise JetSpecError(f"tree width must be between 1 and the vocabulary size {vocab}; got {width}")
   log_probs = jax.nn.log_softmax(depth_logits.astype(jnp.float32), axis=-1)
   top_lp, top_tok = jax.lax.top_k(log_probs, width)                      # [B, D, W]
-  caps = _fanout_caps(log_probs, method, width, top2gap_beta, top2gap_g0)  # [B, D]
   if depth_tokens is not None:
     top_tok = depth_tokens[:, :, :width]
-  tokens, parents, depths, valid, ancestors = jax.vmap(
-      lambda a, t, lp, c: _heap_tree(a, t, lp, c, budget))(
-          anchor.astype(jnp.int32), top_tok.astype(jnp.int32), top_lp, caps)
+  anchor, top_tok = anchor.astype(jnp.int32), top_tok.astype(jnp.int32)
+  if method == "best_nodes":
+    tokens, parents, depths, valid, ancestors = jax.vmap(
+        lambda a, t, lp: _best_nodes_tree(a, t, lp, budget))(anchor, top_tok, top_lp)
+  else:
+    caps = _fanout_caps(log_probs, method, width, top2gap_beta, top2gap_g0)  # [B, D]
+    tokens, parents, depths, valid, ancestors = jax.vmap(
+        lambda a, t, lp, c: _heap_tree(a, t, lp, c, budget))(anchor, top_tok, top_lp, caps)
   return Tree(tokens=tokens, parents=parents, depths=depths, valid=valid, ancestors=ancestors)
