@@ -20,6 +20,7 @@ import numpy as np
 from jetspec_jax.errors import JetSpecError
 
 BANKS = ("humaneval", "sharegpt")
+MODE_PREFIX = {"accum_logp": "tree", "top2gap": "top2gap", "best_nodes": "best"}   # tree mode names: <prefix>_b<N>
 
 
 def _chat_prompt_ids(tokenizer, user_text: str) -> list[int]:
@@ -103,10 +104,11 @@ def time_mode(run_batch, prompts, batch_size: int, repeats: int) -> dict:
 
 
 def run(target_params, cfg, head_params, head_cfg, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
-        budgets: Sequence[int] = (16, 32, 64), width: int = 7, depth: int | None = None, method: str = "accum_logp",
-        batch_size: int = 1, repeats: int = 3, eos_ids=None, attn_impl: str = "xla", hf_dir: str | None = None,
-        progress=print) -> dict:
-  """AR, chain and tree (``method``, each budget) on the same prompts; returns the result dict (see module doc)."""
+        budgets: Sequence[int] = (16, 32, 64), width: int = 7, depth: int | None = None,
+        methods: Sequence[str] = ("accum_logp",), batch_size: int = 1, repeats: int = 3, eos_ids=None,
+        attn_impl: str = "xla", hf_dir: str | None = None, progress=print) -> dict:
+  """AR, chain and, for each tree method, a tree per budget, on the same prompts; returns the result dict
+  (see module doc). Tree modes are named ``<prefix>_b<budget>`` (``MODE_PREFIX``: tree_b16 is accum_logp)."""
   from jetspec_jax.decode.loop import generate_ar
   from jetspec_jax.decode.speculative import TreeConfig, generate_speculative
   depth = depth or head_cfg.depth
@@ -117,8 +119,8 @@ def run(target_params, cfg, head_params, head_cfg, prompts: Sequence[Sequence[in
                                        attn_impl=attn_impl), prompts, batch_size, repeats)
   ar_tokens = [t for o in ar.pop("outputs") for t in o["token_ids"]]
   modes["ar"] = ar | {"tau": 1.0}
-  trees = [("chain", TreeConfig("chain", 1, 1, depth))] + [(f"tree_b{b}", TreeConfig(method, b, width, depth))
-                                                          for b in budgets]
+  trees = [("chain", TreeConfig("chain", 1, 1, depth))] + [
+      (f"{MODE_PREFIX[method]}_b{b}", TreeConfig(method, b, width, depth)) for method in methods for b in budgets]
   for name, tree in trees:
     progress(f"{name} ({tree.method}, budget {tree.num_nodes()} nodes, width {tree.width}, depth {tree.depth})")
     res = time_mode(lambda b, t=tree: generate_speculative(target_params, cfg, head_params, head_cfg, b,
@@ -129,14 +131,15 @@ def run(target_params, cfg, head_params, head_cfg, prompts: Sequence[Sequence[in
     decoded = sum(o["num_tokens"] - len(o["token_ids"]) for o in outs)
     hist = np.sum([o["depth_histogram"] for o in outs], axis=0)
     at_least = hist[::-1].cumsum()[::-1]
-    res.update(tau=decoded / max(rounds, 1), rounds=rounds, num_nodes=tree.num_nodes(), budget=tree.budget,
+    res.update(tau=decoded / max(rounds, 1), rounds=rounds, num_nodes=tree.num_nodes(), method=tree.method,
+               budget=tree.budget,
                acceptance_by_depth=[float(at_least[d] / max(rounds, 1)) for d in range(1, len(hist))],
                equals_ar=[t for o in outs for t in o["token_ids"]] == ar_tokens)
     modes[name] = res
   for m in modes.values():
     m["speedup_vs_ar"] = m["tokens_per_s"] / modes["ar"]["tokens_per_s"]
   result = {"num_prompts": len(prompts), "prompt_len": len(prompts[0]), "max_new_tokens": max_new_tokens,
-            "batch_size": batch_size, "repeats": repeats, "method": method, "width": width, "depth": depth,
+            "batch_size": batch_size, "repeats": repeats, "methods": list(methods), "width": width, "depth": depth,
             "modes": modes,
             "timing": "median tokens/s over repeats; compile + first batch excluded (compile_s)"}
   if hf_dir:
@@ -188,12 +191,14 @@ def plots(result: dict, out_dir: str) -> list[str]:
   import matplotlib.pyplot as plt
   os.makedirs(out_dir, exist_ok=True)
   modes = result["modes"]
-  trees = [(m["budget"], m) for n, m in modes.items() if n.startswith("tree_")]
+  methods = list(dict.fromkeys(m["method"] for m in modes.values() if m.get("method", "chain") != "chain"))
   paths = []
   for key, ylabel, fname in (("tau", "tau (tokens per round)", "tau_vs_budget.png"),
                              ("speedup_vs_ar", "speedup over AR", "speedup_vs_budget.png")):
     fig, ax = plt.subplots(figsize=(5, 3.5))
-    ax.plot([b for b, _ in trees], [m[key] for _, m in trees], "o-", label=f"tree ({result.get('method', 'accum_logp')})")
+    for method in methods:
+      trees = [(m["budget"], m[key]) for m in modes.values() if m.get("method") == method]
+      ax.plot(*zip(*trees), "o-", label=f"tree ({method})")
     ax.axhline(modes["chain"][key], color="gray", ls="--", label="chain")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("tree budget (nodes)")

@@ -176,7 +176,8 @@ def cmd_bench(args) -> dict:
     prompts = bench.prompt_bank(bank, tokenizer, num_prompts=args.num_prompts, prompt_len=args.prompt_len)
     results[os.path.basename(bank)] = bench.run(
         params, cfg, head_params, head_cfg, prompts, max_new_tokens=args.max_new_tokens, budgets=budgets,
-        width=args.width, depth=args.depth, method=args.tree, batch_size=args.batch_size, repeats=args.repeats,
+        width=args.width, depth=args.depth, methods=args.tree or ["accum_logp"], batch_size=args.batch_size,
+        repeats=args.repeats,
         eos_ids=None if args.stop_at_eos else (), attn_impl=resolve_implementation(args.attention),
         hf_dir=side if args.transformers and not os.path.isdir(os.path.join(side, "params")) else None,
         progress=say)
@@ -275,8 +276,8 @@ def build_parser() -> argparse.ArgumentParser:
   b.add_argument("--prompt-len", type=int, default=64, help="prompts are left-truncated to this many tokens")
   b.add_argument("--max-new-tokens", type=int, default=64)
   b.add_argument("--budgets", default="16,32,64")
-  b.add_argument("--tree", default="accum_logp", choices=[m for m in TREE_METHODS if m != "chain"],
-                 help="tree method of the budget sweep (the chain is always measured)")
+  b.add_argument("--tree", action="append", default=None, choices=[m for m in TREE_METHODS if m != "chain"],
+                 help="tree method of the budget sweep, repeatable (default accum_logp; the chain is always measured)")
   b.add_argument("--width", type=int, default=7)
   b.add_argument("--depth", type=int, default=None)
   b.add_argument("--batch-size", type=int, default=1)

@@ -60,6 +60,7 @@ class DemoSettings:
   bench_new_tokens: int = 64
   bench_budgets: tuple[int, ...] = (16, 32, 64)
   bench_width: int = 4
+  bench_trees: tuple[str, ...] = ("accum_logp", "best_nodes")   # tree methods of the budget sweep
   bench_repeats: int = 3
   seed: int = 0
 
@@ -253,7 +254,8 @@ def run(workdir: str | None = None, settings: DemoSettings = DemoSettings(), qui
                bench.prompt_bank(bank, tokenizer, num_prompts=s.bench_prompts, prompt_len=s.bench_prompt_len,
                                  offset=offset))
     r = bench.run(params, cfg, head_params, head_cfg, prompts, max_new_tokens=s.bench_new_tokens,
-                  budgets=s.bench_budgets, width=s.bench_width, repeats=s.bench_repeats, eos_ids=(),
+                  budgets=s.bench_budgets, width=s.bench_width, methods=s.bench_trees, repeats=s.bench_repeats,
+                  eos_ids=(),
                   progress=lambda m: say(f"  {bank}: {m}"))
     base = generate_speculative(params, cfg, untrained, head_cfg, prompts, max_new_tokens=s.bench_new_tokens,
                                 tree_cfg=TreeConfig("accum_logp", max(s.bench_budgets), s.bench_width, head_cfg.depth),
@@ -279,8 +281,8 @@ def summary(res: dict) -> str:
            f"regenerated {st['regenerate'].get('examples')} conversations; head trained "
            f"{st['train_head']['step']} steps (loss {st['train_head']['metrics'].get('loss', float('nan')):.3f})", ""]
   for bank, r in res["bench"].items():
-    lines += [f"[{bank}]", bench.table(r), f"untrained head, tree budget {max(r['modes'][n]['budget'] for n in r['modes'] if n.startswith('tree_'))}: "
-              f"tau {r['untrained_tree_tau']:.2f}", ""]
+    budget = max(m["budget"] for m in r["modes"].values() if m.get("method") not in (None, "chain"))
+    lines += [f"[{bank}]", bench.table(r), f"untrained head, tree budget {budget}: tau {r['untrained_tree_tau']:.2f}", ""]
   lines += [f"head (HF format): {res['head_dir']}", f"everything under {res['workdir']} ({res['seconds']:.0f}s)",
             "OK" if res["ok"] else "FAILED"]
   return "\n".join(lines)

@@ -345,7 +345,6 @@ def host_values(tree):
   return multihost_utils.process_allgather(tree, tiled=True)
 
 
-
 def from_first_process(value):
   """Process 0's ``value`` (anything JSON can hold) on every process; ``value`` of the others is ignored.
   One process: ``value`` itself. In several processes every process must call it (two broadcasts: the

@@ -149,7 +149,7 @@ def _heap_tree(anchor: jax.Array, top_tok: jax.Array, top_lp: jax.Array, caps: j
       parents=jnp.zeros(rows, jnp.int32),
       depths=jnp.zeros(rows, jnp.int32),
       score=jnp.full(rows, -jnp.inf, jnp.float32).at[0].set(0.0),
-      in_heap=jnp.zeros(rows, bool).at[0].set(depth > 0),
+      in_heap=jnp.zeros(rows, bool).at[0].set(True),
       anc=jnp.eye(rows, n_nodes, dtype=bool))
 
   def growing(s):
