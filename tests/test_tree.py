@@ -282,3 +282,12 @@ def test_bad_shapes():
   anchor, logits = _random_case(0, 2, 10)
   with pytest.raises(JetSpecError, match="depth_logits"):
     build_tree(jnp.asarray(anchor), jnp.asarray(logits[0]), method="chain", budget=1, width=1)
+
+
+@pytest.mark.parametrize("method", ["accum_logp", "top2gap", "best_nodes"])
+def test_no_vocabulary_sort_in_the_compiled_tree(method):
+  """The top-W of each depth stays a TopK: XLA turns a top_k whose outputs are sliced into a sort of the
+  whole vocabulary (best_nodes once took 4.9 ms instead of 0.17 ms per tree that way at V = 4096 on CPU)."""
+  fn = jax.jit(functools.partial(build_tree, method=method, budget=16, width=4))
+  hlo = fn.lower(jnp.zeros((1,), jnp.int32), jnp.zeros((1, 7, 4096), jnp.float32)).compile().as_text()
+  assert not [line for line in hlo.splitlines() if " sort(" in line and "4096" in line]

@@ -206,13 +206,16 @@ def _best_nodes_tree(anchor: jax.Array, top_tok: jax.Array, top_lp: jax.Array,
     eye = jnp.eye(1, dtype=bool)
     zero = jnp.zeros(1, jnp.int32)
     return anchor[None].astype(jnp.int32), zero, zero, jnp.ones(1, bool), eye
+  # Row d of top_lp as a masked sum, not a slice: XLA turns a top_k whose output is sliced into a
+  # full sort of the vocabulary (see ``_fanout_caps``).
+  row = lambda d: jnp.sum(jnp.where(jnp.arange(depth)[:, None] == d, top_lp, 0.0), axis=0)   # [W]
   scores, parent_pos, ranks = [], [], []
-  level = jnp.pad(top_lp[0], (0, max(m - width, 0)), constant_values=-jnp.inf)[:m]   # depth 1: the ranks
+  level = jnp.pad(row(0), (0, max(m - width, 0)), constant_values=-jnp.inf)[:m]      # depth 1: the ranks
   scores.append(level)
   parent_pos.append(jnp.zeros(m, jnp.int32))
   ranks.append(jnp.minimum(jnp.arange(m, dtype=jnp.int32), width - 1))
   for d in range(1, depth):
-    children = (scores[-1][:, None] + top_lp[d][None, :]).reshape(-1)                 # [M * W]
+    children = (scores[-1][:, None] + row(d)[None, :]).reshape(-1)                    # [M * W]
     best, idx = jax.lax.top_k(children, m)
     scores.append(best)
     parent_pos.append((idx // width).astype(jnp.int32))
