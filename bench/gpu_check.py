@@ -231,39 +231,43 @@ def decode_model(*, smoke: bool, layers: int) -> DecodeModel:
                      prompt=[np.random.default_rng(0).integers(0, cfg.vocab_size, prompt_len).tolist()])
 
 
-def mode_name(budget: int | None) -> str:
-  """"ar" for autoregressive decoding (budget None), else "tree_b<budget>"."""
-  return "ar" if budget is None else f"tree_b{budget}"
+def mode_name(budget: int | None, method: str = "accum_logp") -> str:
+  """"ar" for autoregressive decoding (budget None), else the bench's name: tree_b<N> (accum_logp), best_b<N>..."""
+  from jetspec_jax.bench import MODE_PREFIX
+  return "ar" if budget is None else f"{MODE_PREFIX[method]}_b{budget}"
 
 
-def generate(model: DecodeModel, budget: int | None, *, max_new: int, attn_impl: str) -> dict:
-  """One greedy generation of ``max_new`` tokens, AR (budget None) or speculative with a tree of ``budget``
-  nodes: decode_s (seconds after the prefill), rounds (AR: target forwards after the prefill), tau."""
+def generate(model: DecodeModel, budget: int | None, *, max_new: int, attn_impl: str,
+             method: str = "accum_logp") -> dict:
+  """One greedy generation of ``max_new`` tokens, AR (budget None) or speculative with a ``method`` tree of
+  ``budget`` nodes, width 7: decode_s (seconds after the prefill), rounds (AR: target forwards after the
+  prefill), tau."""
   from jetspec_jax.decode.loop import generate_ar
   from jetspec_jax.decode.speculative import TreeConfig, generate_speculative
   if budget is None:
     out = generate_ar(model.params, model.cfg, model.prompt, max_new_tokens=max_new, eos_ids=(), attn_impl=attn_impl)
     return dict(decode_s=out["decode_s"], rounds=out["target_forwards"] - 1, tau=1.0)
   out = generate_speculative(model.params, model.cfg, model.head, model.head_cfg, model.prompt, max_new_tokens=max_new,
-                             tree_cfg=TreeConfig("accum_logp", budget, 7, model.head_cfg.depth), eos_ids=(),
+                             tree_cfg=TreeConfig(method, budget, 7, model.head_cfg.depth), eos_ids=(),
                              attn_impl=attn_impl)
   return dict(decode_s=out["decode_s"], rounds=out["rounds"], tau=out["tau"])
 
 
-def decode_section(model: DecodeModel, *, budgets: tuple[int, ...], max_new: int, attn_impl: str) -> list[dict]:
+def decode_section(model: DecodeModel, *, budgets: tuple[int, ...], max_new: int, attn_impl: str,
+                   methods: tuple[str, ...] = ("accum_logp",)) -> list[dict]:
   """Jitted decode rounds, batch 1: ms per AR step and per speculative round (draft + tree + verify + accept
-  + commit) for each budget, timed on a second generation (the first compiles)."""
+  + commit) for each tree method and budget, timed on a second generation (the first compiles)."""
   rows = []
 
-  def row(budget):
-    generate(model, budget, max_new=max_new, attn_impl=attn_impl)            # compile + warm-up
-    out = generate(model, budget, max_new=max_new, attn_impl=attn_impl)
+  def row(budget, method):
+    generate(model, budget, max_new=max_new, attn_impl=attn_impl, method=method)      # compile + warm-up
+    out = generate(model, budget, max_new=max_new, attn_impl=attn_impl, method=method)
     ms = 1e3 * out["decode_s"] / max(out["rounds"], 1)
     ar_ms = rows[0].get("ms_per_round") if rows else ms         # the AR row (first) is its own reference
     return dict(ms_per_round=ms, ratio_to_ar_step=None if ar_ms is None else ms / ar_ms, tau=out["tau"])
 
-  for budget in (None, *budgets):
-    rows.append(guarded(dict(mode=mode_name(budget), nodes=budget or 1), lambda: row(budget)))
+  for budget, method in [(None, "ar"), *((b, m) for m in methods for b in budgets)]:
+    rows.append(guarded(dict(mode=mode_name(budget, method), nodes=budget or 1), lambda: row(budget, method)))
   return rows
 
 
@@ -353,11 +357,11 @@ def profile_row(model: DecodeModel, budget: int | None, *, max_new: int, attn_im
 
 
 def tune_section(*, smoke: bool, iters: int, reps: int, unroll: int) -> dict:
-  """``kernel_tune``'s sweep of launch configurations on Qwen3-8B attention shapes (a 2 x 2 sweep on the
-  smoke shape); prints the fastest configuration per shape against the default. Configurations that are
+  """``kernel_tune``'s sweep of launch configurations on Qwen3-8B attention shapes (2 configurations of one
+  problem on the smoke shape); prints the fastest configuration per shape against the default. Configurations that are
   illegal for a shape are recorded, not failures of the run."""
   shape = SMOKE if smoke else QWEN3_8B
-  sweep = dict(shapes=((1, 600), (5, 3)), configs=kernel_tune.CONFIGS[:1] + kernel_tune.CONFIGS[-1:]) if smoke else {}
+  sweep = dict(shapes=((5, 3),), configs=kernel_tune.CONFIGS[:1] + kernel_tune.CONFIGS[-1:]) if smoke else {}
   result = kernel_tune.tune_section(
       lambda n, prefix: make_inputs(shape, n, prefix, seed=n + prefix),
       lambda fn, args: loop_seconds(fn, args, iters=max(iters // 4, 1), reps=reps, unroll=unroll),
@@ -394,6 +398,7 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--decode-layers", type=int, default=12, help="layers of the Qwen3-8B-shaped model")
   parser.add_argument("--decode-budgets", default="16,64,128")
   parser.add_argument("--decode-new-tokens", type=int, default=33)
+  parser.add_argument("--decode-trees", default="accum_logp,best_nodes", help="tree methods of the decode rounds")
   parser.add_argument("--skip-decode", action="store_true")
   parser.add_argument("--skip-phases", action="store_true")
   parser.add_argument("--skip-tune", action="store_true", help="skip the kernel's tile-size sweep (run last)")
@@ -440,7 +445,8 @@ def main(argv: list[str] | None = None) -> int:
     failed += [r for r in phrows if "error" in r]
     write_report(report)
   if not args.skip_decode:
-    drows = decode_section(model, max_new=args.decode_new_tokens, attn_impl=impl, budgets=budgets)
+    drows = decode_section(model, max_new=args.decode_new_tokens, attn_impl=impl, budgets=budgets,
+                           methods=tuple(args.decode_trees.split(",")))
     print(f"\njitted decode round, Qwen3-8B-shaped ({args.decode_layers} layers), batch 1, attention {impl}:")
     print(format_table(drows))
     report["decode"] = dict(layers=args.decode_layers, attention=impl, rows=drows)
