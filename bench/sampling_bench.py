@@ -33,6 +33,7 @@ from bench.common import machine_info, median, table, write_json  # noqa: E402
 from jetspec_jax.config import Qwen3Config  # noqa: E402
 from jetspec_jax.decode.loop import generate_ar
 from jetspec_jax.decode.speculative import TreeConfig, generate_speculative
+from jetspec_jax.decode.tree import TREE_METHODS
 from jetspec_jax.errors import JetSpecError
 from jetspec_jax.models import draft_head, qwen3
 
@@ -100,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
   p.add_argument("--budgets", default="16,64")
   p.add_argument("--width", type=int, default=7)
   p.add_argument("--depth", type=int, default=None, help="tree depth (default: the head's block_size - 1)")
-  p.add_argument("--tree", default="accum_logp", choices=["accum_logp", "top2gap", "chain"])
+  p.add_argument("--tree", default="accum_logp", choices=list(TREE_METHODS))
   p.add_argument("--block-size", type=int, default=16, help="block size of a random head")
   p.add_argument("--top-k", type=int, default=0)
   p.add_argument("--top-p", type=float, default=1.0)
