@@ -403,9 +403,11 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--skip-phases", action="store_true")
   parser.add_argument("--skip-tune", action="store_true", help="skip the kernel's tile-size sweep (run last)")
   parser.add_argument("--profile-budgets", default="16,128")
-  parser.add_argument("--profile-new-tokens", type=int, default=9)
+  parser.add_argument("--profile-new-tokens", type=int, default=None,
+                      help="tokens per profiled generation (default: --decode-new-tokens, so its compiles are reused)")
   parser.add_argument("--skip-profile", action="store_true")
   args = parser.parse_args(argv)
+  args.profile_new_tokens = args.profile_new_tokens or args.decode_new_tokens
   if args.smoke:
     args.iters, args.reps = min(args.iters, 3), 1
 
