@@ -8,7 +8,6 @@ the sweep goes on.
 """
 from __future__ import annotations
 
-import itertools
 from typing import Callable
 
 import jax
@@ -31,21 +30,21 @@ def tune_section(make_inputs: Callable, timer: Callable, *, shapes=SHAPES, confi
   {"rows": [{n, prefix, **config, us | error}], "best": [{n, prefix, **best config, us, default_us,
   speedup_vs_default}]} (a shape whose every config failed has no "best" row)."""
   rows, best = [], []
-  for (n, prefix), config in itertools.product(shapes, configs):
-    row = dict(n=n, prefix=prefix, **config)
-    try:
-      args = make_inputs(n, prefix)
-      fn = jax.jit(lambda *a, config=config: tree_attention(*a, interpret=interpret, **config))
-      row["us"] = timer(fn, args) * 1e6
-    except Exception as e:  # noqa: BLE001  (an illegal config, JetSpecError, or a compile failure is a result)
-      row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
-    rows.append(row)
   for n, prefix in shapes:
-    timed = [r for r in rows if (r["n"], r["prefix"]) == (n, prefix) and "us" in r]
-    if not timed:
-      continue
-    fastest = min(timed, key=lambda r: r["us"])
-    default = next((r for r in timed if all(r[k] == v for k, v in DEFAULT.items())), None)
-    best.append({**fastest, "default_us": None if default is None else default["us"],
-                 "speedup_vs_default": None if default is None else default["us"] / fastest["us"]})
+    args = make_inputs(n, prefix)                      # once per problem, shared by its configs
+    timed = []
+    for config in configs:
+      row = dict(n=n, prefix=prefix, **config)
+      try:
+        fn = jax.jit(lambda *a, config=config: tree_attention(*a, interpret=interpret, **config))
+        row["us"] = timer(fn, args) * 1e6
+        timed.append(row)
+      except Exception as e:  # noqa: BLE001  (an illegal config, JetSpecError, or a compile failure is a result)
+        row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+      rows.append(row)
+    if timed:
+      fastest = min(timed, key=lambda r: r["us"])
+      default = next((r for r in timed if all(r[k] == v for k, v in DEFAULT.items())), None)
+      best.append({**fastest, "default_us": None if default is None else default["us"],
+                   "speedup_vs_default": None if default is None else default["us"] / fastest["us"]})
   return dict(rows=rows, best=best)

@@ -258,7 +258,8 @@ def run(workdir: str | None = None, settings: DemoSettings = DemoSettings(), qui
                   eos_ids=(),
                   progress=lambda m: say(f"  {bank}: {m}"))
     base = generate_speculative(params, cfg, untrained, head_cfg, prompts, max_new_tokens=s.bench_new_tokens,
-                                tree_cfg=TreeConfig("accum_logp", max(s.bench_budgets), s.bench_width, head_cfg.depth),
+                                tree_cfg=TreeConfig(s.bench_trees[0], max(s.bench_budgets), s.bench_width,
+                                                    head_cfg.depth),
                                 eos_ids=())
     r["untrained_tree_tau"] = base["tau"]
     r["plots"] = bench.plots(r, os.path.join(root, "bench", bank))
