@@ -42,7 +42,8 @@ import numpy as np
 
 from bench import kernel_tune, trace_summary
 from jetspec_jax.attention import xla_attention
-from pallas_kernels.tree_attention import launch_shapes, tree_attention
+from pallas_kernels import tuning as kernel_tuning
+from pallas_kernels.tree_attention import launch_shapes, resolve_config, tree_attention
 
 HBM_BYTES_PER_S = {"H200": 4.8e12, "H100": 3.35e12}   # matched against jax device_kind
 DENSE_BF16_FLOPS = {"H200": 989e12, "H100": 989e12}   # SXM tensor-core peak, no sparsity
@@ -136,19 +137,20 @@ def loop_seconds(fn, args, *, iters: int, reps: int, unroll: int) -> float:
 
 
 def kernel_section(*, smoke: bool, iters: int, reps: int, unroll: int, hbm: float | None, flops_peak: float | None,
-                   tuning: dict) -> list[dict]:
-  """Kernel vs XLA over the N x prefix sweep; one row (a dict) per problem."""
+                   overrides: dict) -> list[dict]:
+  """Kernel vs XLA over the N x prefix sweep; one row (a dict) per problem. The kernel launches with the
+  active tuning table's configuration, with ``overrides`` (launch parameters that are not None) applied."""
   shape = SMOKE if smoke else QWEN3_8B
   node_counts, prefixes = SWEEP["smoke" if smoke else "full"]
-  kernel = jax.jit(lambda *a: tree_attention(*a, interpret=smoke, **tuning))
-  one_split = jax.jit(lambda *a: tree_attention(*a, interpret=smoke, **{**tuning, "num_splits": 1}))
+  kernel = jax.jit(lambda *a: tree_attention(*a, interpret=smoke, **overrides))
+  one_split = jax.jit(lambda *a: tree_attention(*a, interpret=smoke, **{**overrides, "num_splits": 1}))
   reference = jax.jit(xla_attention)
   rows = []
   for num_nodes in node_counts:
     for prefix in prefixes:
       rows.append(guarded(dict(n=num_nodes, prefix=prefix), lambda: kernel_row(
           shape, num_nodes, prefix, kernel, one_split, reference, iters=iters, reps=reps, unroll=unroll, hbm=hbm,
-          flops_peak=flops_peak, tuning=tuning)))
+          flops_peak=flops_peak, overrides=overrides)))
       print(f"  kernel N={num_nodes} prefix={prefix}: " + (rows[-1].get("error") or
             f"{rows[-1]['kernel_us']:.1f} us (XLA {rows[-1]['xla_us']:.1f} us)"), file=sys.stderr, flush=True)
   return rows
@@ -164,7 +166,7 @@ def guarded(key: dict, measure) -> dict:
 
 
 def kernel_row(shape, num_nodes, prefix, kernel, one_split, reference, *, iters, reps, unroll, hbm, flops_peak,
-               tuning) -> dict:
+               overrides) -> dict:
   """One problem of the kernel sweep: errors, times, bandwidth and roofline columns."""
   itemsize = jnp.dtype(shape.dtype).itemsize
   args = make_inputs(shape, num_nodes, prefix, seed=1000 * num_nodes + prefix)
@@ -173,8 +175,9 @@ def kernel_row(shape, num_nodes, prefix, kernel, one_split, reference, *, iters,
   max_err = float(np.max(np.abs(out - ref)))
   kernel_s = loop_seconds(kernel, args, iters=iters, reps=reps, unroll=unroll)
   one_split_s = loop_seconds(one_split, args, iters=iters, reps=reps, unroll=unroll)
+  config = resolve_config(shape.num_q_heads // shape.num_kv_heads * num_nodes, **overrides)
   splits = launch_shapes(shape.batch, num_nodes, shape.num_q_heads, shape.num_kv_heads, shape.head_dim,
-                         cache_len=prefix, **tuning).num_splits
+                         cache_len=prefix, **dataclasses.asdict(config)).num_splits
   xla_s = loop_seconds(reference, args, iters=iters, reps=reps, unroll=unroll)
   kv_bytes = 2 * shape.batch * shape.num_kv_heads * (prefix + num_nodes) * shape.head_dim * itemsize
   flops = 4 * shape.batch * num_nodes * shape.num_q_heads * (prefix + num_nodes) * shape.head_dim
@@ -356,20 +359,30 @@ def profile_row(model: DecodeModel, budget: int | None, *, max_new: int, attn_im
     return trace_summary.summarize(tmp, phases=PHASES, rounds=max(rounds, 1), top=30, after=f"PjitFunction({loop})")
 
 
-def tune_section(*, smoke: bool, iters: int, reps: int, unroll: int) -> dict:
+def tune_section(*, smoke: bool, iters: int, reps: int, unroll: int, device_kind: str) -> dict:
   """``kernel_tune``'s sweep of launch configurations on Qwen3-8B attention shapes (2 configurations of one
-  problem on the smoke shape); prints the fastest configuration per shape against the default. Configurations that are
-  illegal for a shape are recorded, not failures of the run."""
+  problem on the smoke shape); prints the fastest configuration per shape against the default and the tuning
+  table the sweep gives. Configurations that are illegal for a shape are recorded, not failures of the run."""
   shape = SMOKE if smoke else QWEN3_8B
   sweep = dict(shapes=((5, 3),), configs=kernel_tune.CONFIGS[:1] + kernel_tune.CONFIGS[-1:]) if smoke else {}
   result = kernel_tune.tune_section(
       lambda n, prefix: make_inputs(shape, n, prefix, seed=n + prefix),
       lambda fn, args: loop_seconds(fn, args, iters=max(iters // 4, 1), reps=reps, unroll=unroll),
-      interpret=smoke, **sweep)
-  print(f"\nkernel launch configurations, {shape}, fastest per shape (us; default "
-        f"{kernel_tune.DEFAULT}):")
+      group=shape.num_q_heads // shape.num_kv_heads, interpret=smoke, device_kind=device_kind, **sweep)
+  print(f"\nkernel launch configurations, {shape}, fastest per shape (us; default {kernel_tune.DEFAULT}):")
   print(format_table(result["best"]))
+  print(f"tuning table from the sweep (max_rows = group x N): {json.dumps(result['table'])}")
   return result
+
+
+def apply_tuning(table: dict) -> str:
+  """Makes a tuning table (JSON form) the active one for the kernel calls traced from now on: saved as
+  $OUT/kernel_tuning.json (or in a temporary directory) and named by $JETSPEC_KERNEL_TUNING. Returns the path."""
+  out_dir = os.environ.get("OUT") or tempfile.mkdtemp(prefix="jetspec_tuning_")
+  path = Path(out_dir) / "kernel_tuning.json"
+  kernel_tuning.KernelTuning.from_json(table).save(path)
+  os.environ[kernel_tuning.ENV_VAR] = str(path)
+  return str(path)
 
 
 def write_report(report: dict) -> None:
@@ -390,10 +403,8 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--iters", type=int, default=20, help="timing samples per measurement")
   parser.add_argument("--reps", type=int, default=50, help="calls inside one jitted loop per timing sample")
   parser.add_argument("--unroll", type=int, default=10, help="chained calls per iteration of that loop")
-  parser.add_argument("--block-r", type=int, default=64)
-  parser.add_argument("--block-k", type=int, default=64)
-  parser.add_argument("--num-warps", type=int, default=4)
-  parser.add_argument("--num-stages", type=int, default=2)
+  for flag in ("--block-r", "--block-k", "--num-warps", "--num-stages"):
+    parser.add_argument(flag, type=int, default=None, help="kernel sweep launch parameter (default: the tuning table's)")
   parser.add_argument("--num-splits", type=int, default=None, help="prefix splits (default: chosen per problem)")
   parser.add_argument("--decode-layers", type=int, default=12, help="layers of the Qwen3-8B-shaped model")
   parser.add_argument("--decode-budgets", default="16,64,128")
@@ -401,7 +412,9 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--decode-trees", default="accum_logp,best_nodes", help="tree methods of the decode rounds")
   parser.add_argument("--skip-decode", action="store_true")
   parser.add_argument("--skip-phases", action="store_true")
-  parser.add_argument("--skip-tune", action="store_true", help="skip the kernel's tile-size sweep (run last)")
+  parser.add_argument("--skip-tune", action="store_true", help="skip the kernel's tile-size sweep")
+  parser.add_argument("--keep-tuning", action="store_true",
+                      help="the model sections keep the active tuning table instead of the sweep's")
   parser.add_argument("--profile-budgets", default="16,128")
   parser.add_argument("--profile-new-tokens", type=int, default=None,
                       help="tokens per profiled generation (default: --decode-new-tokens, so its compiles are reused)")
@@ -414,25 +427,34 @@ def main(argv: list[str] | None = None) -> int:
   device = jax.devices()[0]
   hbm = device_peak(HBM_BYTES_PER_S, device.device_kind, args.hbm_gbps, 1e9)
   flops_peak = device_peak(DENSE_BF16_FLOPS, device.device_kind, args.peak_tflops, 1e12)
-  tuning = dict(block_r=args.block_r, block_k=args.block_k, num_warps=args.num_warps,
-                num_stages=args.num_stages, num_splits=args.num_splits)
+  overrides = {k: v for k, v in dict(block_r=args.block_r, block_k=args.block_k, num_warps=args.num_warps,
+                                      num_stages=args.num_stages, num_splits=args.num_splits).items() if v is not None}
+  table = kernel_tuning.active_tuning(device.device_kind).to_json()
   rows = kernel_section(smoke=args.smoke, iters=args.iters, reps=args.reps, unroll=args.unroll, hbm=hbm,
-                        flops_peak=flops_peak, tuning=tuning)
+                        flops_peak=flops_peak, overrides=overrides)
   shape = SMOKE if args.smoke else QWEN3_8B
   failed = [r for r in rows if "error" in r or not r["rel_err"] <= REL_TOLERANCE[shape.dtype]]
 
   print(f"device: {device.device_kind} ({device.platform}), jax {jax.__version__}, "
         f"HBM {'unknown' if hbm is None else f'{hbm / 1e12:.2f} TB/s'}, "
         f"bf16 peak {'unknown' if flops_peak is None else f'{flops_peak / 1e12:.0f} TFLOP/s'}")
-  print(f"\nkernel vs XLA, {shape}, tuning {tuning}:")
+  print(f"\nkernel vs XLA, {shape}, tuning table {json.dumps(table)}, overrides {overrides}:")
   print(format_table(rows))
   print(f"\nkernel rows measured with errors within {REL_TOLERANCE[shape.dtype]:g}: "
         f"{len(rows) - len(failed)}/{len(rows)}")
 
   report = dict(device_kind=device.device_kind, platform=device.platform, jax_version=jax.__version__,
                 hbm_bytes_per_s=hbm, dense_bf16_flops=flops_peak, smoke=args.smoke, iters=args.iters, reps=args.reps,
-                unroll=args.unroll, kernel=dict(shape=dataclasses.asdict(shape), tuning=tuning, rows=rows))
+                unroll=args.unroll, kernel=dict(shape=dataclasses.asdict(shape), tuning=table, overrides=overrides,
+                                                        rows=rows))
   write_report(report)                      # the kernel rows survive a failure or time-out below
+  if not args.skip_tune:
+    report["tune"] = tune_section(smoke=args.smoke, iters=args.iters, reps=args.reps, unroll=args.unroll,
+                                  device_kind=device.device_kind)
+    if report["tune"]["table"] and not args.keep_tuning:
+      report["tune"]["applied"] = apply_tuning(report["tune"]["table"])
+      print(f"the model sections below use this table ({report['tune']['applied']})")
+    write_report(report)
   impl = "pallas_interpret" if args.smoke else ("pallas" if device.platform == "gpu" else "xla")
   needs_model = not (args.skip_phases and args.skip_decode and args.skip_profile)
   model = decode_model(smoke=args.smoke, layers=args.decode_layers) if needs_model else None
@@ -461,9 +483,6 @@ def main(argv: list[str] | None = None) -> int:
     report["profile"] = dict(layers=args.decode_layers, attention=impl, new_tokens=args.profile_new_tokens,
                              phases=PHASES, rows=prows)
     failed += [r for r in prows if "error" in r]
-    write_report(report)
-  if not args.skip_tune:
-    report["tune"] = tune_section(smoke=args.smoke, iters=args.iters, reps=args.reps, unroll=args.unroll)
     write_report(report)
   return 1 if failed else 0
 

@@ -76,9 +76,20 @@ def _load_tokenizer(side_dir: str):
   return load_tokenizer(side_dir)
 
 
+def _attention(args) -> str:
+  """The attention implementation of --attention; --kernel-tuning (a table from bench/gpu_check.py) is
+  checked and becomes the kernel's active table for this process."""
+  from jetspec_jax.attention import resolve_implementation
+  impl = resolve_implementation(args.attention)
+  if args.kernel_tuning:
+    from pallas_kernels import tuning
+    tuning.load_tuning(args.kernel_tuning)
+    os.environ[tuning.ENV_VAR] = os.path.abspath(args.kernel_tuning)
+  return impl
+
+
 def cmd_generate(args) -> dict:
   import jax
-  from jetspec_jax.attention import resolve_implementation
   from jetspec_jax.convert import load_head, load_target
   from jetspec_jax.decode.loop import generate_ar
   from jetspec_jax.decode.speculative import TreeConfig, generate_speculative
@@ -86,7 +97,7 @@ def cmd_generate(args) -> dict:
     raise JetSpecError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
   if args.temperature < 0:
     raise JetSpecError(f"--temperature must be >= 0, got {args.temperature}")
-  impl = resolve_implementation(args.attention)
+  impl = _attention(args)
   mesh = _mesh(args)
   dtype = _dtype(args.dtype)
   cfg, params, side = load_target(args.target, dtype, mesh)
@@ -162,8 +173,8 @@ def cmd_regenerate(args) -> dict:
 
 def cmd_bench(args) -> dict:
   from jetspec_jax import bench
-  from jetspec_jax.attention import resolve_implementation
   from jetspec_jax.convert import load_head, load_target
+  impl = _attention(args)
   mesh = _mesh(args)
   cfg, params, side = load_target(args.target, _dtype(args.dtype), mesh)
   head_cfg, head_params = load_head(args.head, _dtype(args.dtype), mesh, target_cfg=cfg)
@@ -178,7 +189,7 @@ def cmd_bench(args) -> dict:
         params, cfg, head_params, head_cfg, prompts, max_new_tokens=args.max_new_tokens, budgets=budgets,
         width=args.width, depth=args.depth, methods=args.tree or ["accum_logp"], batch_size=args.batch_size,
         repeats=args.repeats,
-        eos_ids=None if args.stop_at_eos else (), attn_impl=resolve_implementation(args.attention),
+        eos_ids=None if args.stop_at_eos else (), attn_impl=impl,
         hf_dir=side if args.transformers and not os.path.isdir(os.path.join(side, "params")) else None,
         progress=say)
   res = {"target": os.path.abspath(args.target), "head": os.path.abspath(args.head), "banks": results}
@@ -209,6 +220,12 @@ def build_parser() -> argparse.ArgumentParser:
     if mesh:
       sp.add_argument("--mesh", help="device mesh DATAxMODEL, e.g. 2x4 (default: one device; in a multi-process "
                                      "regenerate, all devices on data)")
+
+  def attention_flags(sp):
+    sp.add_argument("--attention", default="auto", help="auto (pallas on GPU, else xla) | xla | pallas | pallas_interpret")
+    sp.add_argument("--kernel-tuning", help="tuning table (JSON) for the pallas kernel, e.g. the kernel_tuning.json "
+                                            "bench/gpu_check.py writes (default: $JETSPEC_KERNEL_TUNING, the table "
+                                            "shipped for this GPU, or built-in defaults)")
 
   c = sub.add_parser("convert", help="Hugging Face Qwen3 directory -> JetSpec-JAX (orbax) checkpoint")
   c.add_argument("hf_dir")
@@ -246,7 +263,7 @@ def build_parser() -> argparse.ArgumentParser:
   g.add_argument("--budget", type=int, default=64, help="tree node budget (counts the root)")
   g.add_argument("--width", type=int, default=7, help="top-W tokens per depth")
   g.add_argument("--depth", type=int, default=None, help="draft depth (default: block_size - 1)")
-  g.add_argument("--attention", default="auto", help="auto | xla | pallas | pallas_interpret")
+  attention_flags(g)
   common(g)
   g.set_defaults(fn=cmd_generate)
 
@@ -285,7 +302,7 @@ def build_parser() -> argparse.ArgumentParser:
   b.add_argument("--stop-at-eos", action="store_true", help="stop at EOS (default: always max-new-tokens)")
   b.add_argument("--transformers", action="store_true", help="also time transformers greedy generate (HF dir)")
   b.add_argument("--dtype", default="float32")
-  b.add_argument("--attention", default="auto")
+  attention_flags(b)
   b.add_argument("--out", default="bench_out")
   common(b)
   b.set_defaults(fn=cmd_bench)

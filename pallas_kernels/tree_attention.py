@@ -24,6 +24,10 @@ more than one split every program writes its unnormalised partial (acc, running 
 l) in float32, and ``combine_splits`` (XLA) merges them: out = sum_s 2^(m_s - m) acc_s /
 sum_s 2^(m_s - m) l_s with m = max_s m_s. One split writes the normalised output directly.
 
+Launch configuration (tile sizes, warps, stages, splits): from a tuning table by the problem's tile
+rows (``pallas_kernels.tuning``: $JETSPEC_KERNEL_TUNING, the table shipped for the device kind, or
+the default), unless the call gives it.
+
 Triton's rules, which interpret mode does not enforce, are checked by ``launch_shapes``:
 every tile dimension is a power of two and every dot operand dimension is >= 16.
 """
@@ -40,6 +44,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jetspec_jax.errors import JetSpecError
+from pallas_kernels.tuning import KernelTuning, LaunchConfig, active_tuning
 
 SUPPORTED_HEAD_DIMS = (64, 128)
 SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
@@ -93,9 +98,10 @@ class LaunchShapes:
 
 
 def launch_shapes(batch: int, num_q: int, num_q_heads: int, num_kv_heads: int, head_dim: int, *,
-                  cache_len: int | None = None, block_r: int = 64, block_k: int = 64,
-                  num_splits: int | None = None, target_programs: int = 264, num_warps: int = 4,
-                  num_stages: int = 2) -> LaunchShapes:
+                  cache_len: int | None = None, block_r: int = LaunchConfig.block_r,
+                  block_k: int = LaunchConfig.block_k, num_splits: int | None = None,
+                  target_programs: int = 264, num_warps: int = LaunchConfig.num_warps,
+                  num_stages: int = LaunchConfig.num_stages) -> LaunchShapes:
   """Tile sizes for a problem; raises ``JetSpecError`` for unsupported shapes or illegal tiles.
 
   ``block_r`` and ``block_k`` are upper bounds (powers of two >= 16): a tile never has more rows
@@ -247,17 +253,23 @@ def combine_splits(acc: jax.Array, m: jax.Array, l: jax.Array, dtype) -> jax.Arr
   return (num / jnp.sum(weight * l, axis=1)[..., None]).astype(dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "interpret", "block_r", "block_k", "num_splits",
-                                             "num_warps", "num_stages", "debug"))
+def resolve_config(rows: int, tuning: KernelTuning | None = None, **overrides) -> LaunchConfig:
+  """The launch configuration of a problem with ``rows`` tile rows (group x tree nodes): the tuning
+  table's (default: ``active_tuning()``), with every override that is not None applied."""
+  config = (tuning or active_tuning()).config_for(rows)
+  return dataclasses.replace(config, **{k: v for k, v in overrides.items() if v is not None})
+
+
 def tree_attention(q, k_cache, v_cache, prefix_len, block_mask, *, sm_scale: float | None = None,
-                   interpret: bool = False, block_r: int = 64, block_k: int = 64,
-                   num_splits: int | None = None, num_warps: int = 4, num_stages: int = 2,
-                   debug: bool = False):
+                   interpret: bool = False, block_r: int | None = None, block_k: int | None = None,
+                   num_splits: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
+                   tuning: KernelTuning | None = None, debug: bool = False):
   """Tree-masked attention with the Pallas Triton kernel (shapes in the module docstring).
 
-  ``interpret=True`` runs the kernel on any backend; ``block_r``, ``block_k``, ``num_splits``,
-  ``num_warps`` and ``num_stages`` are tuning knobs (see ``launch_shapes``); ``debug=True`` prints
-  the kernel jaxpr and, when lowered for a GPU, its Triton IR.
+  The launch configuration comes from ``tuning`` (default: ``tuning.active_tuning()``) by the
+  problem's tile rows; ``block_r``, ``block_k``, ``num_splits``, ``num_warps`` and ``num_stages``
+  given here override it (see ``launch_shapes``). ``interpret=True`` runs the kernel on any backend;
+  ``debug=True`` prints the kernel jaxpr and, when lowered for a GPU, its Triton IR.
   """
   if q.ndim != 4 or k_cache.ndim != 4:
     raise JetSpecError(
@@ -275,12 +287,24 @@ def tree_attention(q, k_cache, v_cache, prefix_len, block_mask, *, sm_scale: flo
   if q.dtype != k_cache.dtype or q.dtype != v_cache.dtype or q.dtype not in SUPPORTED_DTYPES:
     raise JetSpecError(f"q, k_cache and v_cache must share one of float32/bfloat16/float16, "
                        f"got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}.")
+  rows = num_q_heads // max(num_kv_heads, 1) * num_q          # launch_shapes checks the head counts
+  config = resolve_config(rows, tuning, block_r=block_r, block_k=block_k, num_splits=num_splits,
+                          num_warps=num_warps, num_stages=num_stages)
   shapes = launch_shapes(batch, num_q, num_q_heads, num_kv_heads, head_dim, cache_len=cache_len - num_q,
-                         block_r=block_r, block_k=block_k, num_splits=num_splits, num_warps=num_warps,
-                         num_stages=num_stages)
+                         **dataclasses.asdict(config))
   scale = head_dim ** -0.5 if sm_scale is None else sm_scale
+  return _launch(q, k_cache, v_cache, prefix_len, block_mask, shapes=shapes, qk_scale=scale * _LOG2E,
+                 interpret=interpret, debug=debug)
+
+
+@functools.partial(jax.jit, static_argnames=("shapes", "qk_scale", "interpret", "debug"))
+def _launch(q, k_cache, v_cache, prefix_len, block_mask, *, shapes: LaunchShapes, qk_scale: float,
+            interpret: bool, debug: bool):
+  """The pallas_call of ``tree_attention`` for checked inputs and their launch shapes."""
+  batch, num_q, num_q_heads, head_dim = q.shape
+  num_kv_heads, cache_len = k_cache.shape[1:3]
   kernel = functools.partial(_kernel, shapes=shapes, group=num_q_heads // num_kv_heads,
-                             num_q=num_q, qk_scale=scale * _LOG2E)
+                             num_q=num_q, qk_scale=qk_scale)
   per_batch_q = pl.BlockSpec((None, num_q, num_q_heads, head_dim), lambda b, h, r, s: (b, 0, 0, 0))
   per_head_kv = pl.BlockSpec((None, None, cache_len, head_dim), lambda b, h, r, s: (b, h, 0, 0))
   if shapes.num_splits == 1:
@@ -298,7 +322,7 @@ def tree_attention(q, k_cache, v_cache, prefix_len, block_mask, *, sm_scale: flo
                 pl.BlockSpec((None, num_q, shapes.mask_words), lambda b, h, r, s: (b, 0, 0))],
       out_specs=out_specs,
       out_shape=out_shape,
-      compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+      compiler_params=plgpu.CompilerParams(num_warps=shapes.num_warps, num_stages=shapes.num_stages),
       interpret=interpret,
       debug=debug,
       name="tree_attention",

@@ -55,7 +55,8 @@ def test_bad_generate_options(hf_dir, tmp_path, capsys):
                        (["--prompt-ids", "1", "--mesh", "3x3"], "needs 9 devices"),
                        (["--prompt-ids", "1", "--attention", "cuda"], "unknown attention"),
                        (["--prompt-ids", "99999"], "outside the vocabulary"),
-                       (["--prompt", "hello"], "tokenizer")]:
+                       (["--prompt", "hello"], "tokenizer"),
+                       (["--prompt-ids", "1", "--kernel-tuning", str(tmp_path / "none.json")], "does not exist")]:
     code, _, err = run(capsys, "generate", "--target", src, *argv)
     assert code == 2 and phrase in err, (argv, err)
 
@@ -66,3 +67,19 @@ def test_convert_refuses_a_non_empty_output(hf_dir, tmp_path, capsys):
   (out / "keep.txt").write_text("x")
   code, _, err = run(capsys, "convert", hf_dir("dense_tied", "float32"), str(out))
   assert code == 2 and "already exists" in err and (out / "keep.txt").read_text() == "x"
+
+
+def test_generate_takes_a_kernel_tuning_table(hf_dir, tmp_path, capsys, monkeypatch):
+  """--kernel-tuning checks the table and makes it the kernel's active one (test_decode_attention runs the
+  loops under a table); a bad table is refused before any model is loaded."""
+  from pallas_kernels import tuning
+  monkeypatch.delenv(tuning.ENV_VAR, raising=False)        # the command sets it; restored afterwards
+  path = tmp_path / "tuning.json"
+  tuning.KernelTuning(rules=((1, tuning.LaunchConfig(block_r=16)),)).save(path)
+  argv = ["generate", "--target", hf_dir("dense_tied", "float32"), "--prompt-ids", "1,2", "--max-new-tokens", "2",
+          "--json", "--kernel-tuning"]
+  code, stdout, _ = run(capsys, *argv, str(path))
+  assert code == 0 and os.environ[tuning.ENV_VAR] == str(path) and len(json.loads(stdout)["token_ids"]) == 2
+  path.write_text('{"rules": [{"max_rows": 4, "blockr": 16}]}')
+  code, _, err = run(capsys, *argv, str(path))
+  assert code == 2 and "unknown key(s) ['blockr']" in err

@@ -44,6 +44,27 @@ def test_pallas_interpret_matches_xla_in_the_speculative_loop():
   assert ar["token_ids"] == reference()
 
 
+def test_the_loops_use_the_active_kernel_tuning_table(tmp_path, monkeypatch):
+  """With $JETSPEC_KERNEL_TUNING set, every kernel launch the loops trace takes the table's configuration
+  (here: small tiles and two prefix splits for every problem), and the tokens stay those of XLA."""
+  from pallas_kernels import tree_attention as ta
+  from pallas_kernels import tuning
+  config = tuning.LaunchConfig(block_r=16, block_k=16, num_warps=2, num_stages=3, num_splits=2)
+  tuning.KernelTuning(rules=((1, config),)).save(tmp_path / "table.json")
+  monkeypatch.setenv(tuning.ENV_VAR, str(tmp_path / "table.json"))
+  launched = []
+  launch = ta._launch
+  monkeypatch.setattr(ta, "_launch", lambda *a, shapes, **kw: (launched.append(shapes), launch(*a, shapes=shapes, **kw))[1])
+  tp, hcfg, hp = models()
+  new = 7                                  # shapes no other test traces: nothing compiled earlier is reused
+  ref = generate_speculative(tp, CFG, hp, hcfg, PROMPTS, max_new_tokens=new, tree_cfg=TREE)["token_ids"]
+  out = generate_speculative(tp, CFG, hp, hcfg, PROMPTS, max_new_tokens=new, tree_cfg=TREE, attn_impl="pallas_interpret")
+  assert out["token_ids"] == ref
+  assert generate_ar(tp, CFG, PROMPTS, max_new_tokens=new, attn_impl="pallas_interpret")["token_ids"] == ref
+  assert launched and all((s.block_r, s.block_k, s.num_warps, s.num_stages, s.num_splits) == (16, 16, 2, 3, 2)
+                          for s in launched)
+
+
 @pytest.mark.parametrize("impl", ["xla", "pallas_interpret"])
 def test_speculative_loop_on_a_2x2_mesh(impl):
   if jax.device_count() < 4:

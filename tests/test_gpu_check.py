@@ -1,12 +1,15 @@
 """bench/gpu_check.py, the one script a lent GPU runs: its --smoke mode on CPU (kernel in interpret
 mode), its JSON and profile traces, and that a failing shape is recorded in its row instead of ending
 the run."""
+import dataclasses
 import importlib.util
 import json
 import os
 import sys
 
 import pytest
+
+from bench import kernel_tune
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -21,7 +24,9 @@ def gpu_check():
 
 
 def test_smoke_run_writes_every_section(gpu_check, tmp_path, monkeypatch):
+  from pallas_kernels import tuning
   monkeypatch.setenv("OUT", str(tmp_path))
+  monkeypatch.delenv(tuning.ENV_VAR, raising=False)         # the run sets it; restored afterwards
   # the profile section generates as many tokens as the decode section (its default), so it reuses its compiles
   assert gpu_check.main(["--smoke", "--decode-budgets", "16", "--profile-budgets", "16", "--decode-new-tokens", "9"]) == 0
   report = json.loads((tmp_path / "gpu_check.json").read_text())
@@ -44,6 +49,12 @@ def test_smoke_run_writes_every_section(gpu_check, tmp_path, monkeypatch):
   tune = report["tune"]
   assert [(r["n"], r["prefix"]) for r in tune["best"]] == [(5, 3)]
   assert all("us" in r for r in tune["rows"]) and all(r["speedup_vs_default"] >= 1 for r in tune["best"])
+  # the sweep's table (one rule: rows = group 2 x N 5) was saved and made active for the model sections
+  table = tuning.load_tuning(tmp_path / "kernel_tuning.json")
+  assert tune["applied"] == str(tmp_path / "kernel_tuning.json") == os.environ[tuning.ENV_VAR]
+  fastest = tune["best"][0]
+  assert table.rules == ((10, tuning.LaunchConfig(**{k: fastest[k] for k in kernel_tune.LAUNCH_KEYS})),)
+  assert report["kernel"]["tuning"] == tuning.DEFAULT_TUNING.to_json()
 
 
 def test_a_failing_shape_is_recorded_and_fails_the_run(gpu_check, tmp_path, monkeypatch):
@@ -55,11 +66,28 @@ def test_a_failing_shape_is_recorded_and_fails_the_run(gpu_check, tmp_path, monk
 
 
 def test_an_illegal_tuning_config_is_recorded_not_raised(gpu_check):
-  from bench import kernel_tune
   shape = gpu_check.SMOKE
-  configs = (kernel_tune.DEFAULT, dict(kernel_tune.DEFAULT, block_k=48))
+  configs = (kernel_tune.DEFAULT, dataclasses.replace(kernel_tune.DEFAULT, block_k=48))
   result = kernel_tune.tune_section(lambda n, p: gpu_check.make_inputs(shape, n, p, seed=0), lambda fn, args: (fn(*args), 1e-6)[1],
-                                    shapes=((5, 3),), configs=configs, interpret=True)
+                                    group=2, shapes=((5, 3),), configs=configs, interpret=True)
   good, bad = result["rows"]
   assert good["us"] == 1.0 and "block_k=48" in bad["error"]
   assert result["best"] == [dict(good, default_us=1.0, speedup_vs_default=1.0)]
+  assert result["table"]["rules"] == [dict(max_rows=10, **dataclasses.asdict(kernel_tune.DEFAULT))]
+
+
+def _timed(n, prefix, us_by_config):
+  return [dict(n=n, prefix=prefix, **{k: getattr(c, k) for k in kernel_tune.LAUNCH_KEYS}, us=us)
+          for c, us in us_by_config.items()]
+
+
+def test_tuning_table_takes_the_best_config_over_each_row_count():
+  a, b, c = kernel_tune.CONFIGS[:3]
+  rows = (_timed(1, 1024, {a: 10.0, b: 9.0, c: 30.0})           # rows 4: b is fastest
+          + _timed(16, 1024, {a: 10.0, b: 20.0, c: 11.0})       # rows 64, two prefixes: relative sums
+          + _timed(16, 4096, {a: 40.0, b: 41.0, c: 20.0})       # a 1+2, b 2+2.05, c 1.1+1 -> c
+          + _timed(128, 1024, {a: 5.0, b: 5.0})                 # rows 512: a tie goes to the earlier config
+          + [dict(n=128, prefix=1024, **{k: getattr(c, k) for k in kernel_tune.LAUNCH_KEYS}, error="x")])
+  table = kernel_tune.tuning_table(rows, group=4, device_kind="H")
+  assert table.rules == ((4, b), (64, c), (512, a)) and table.device_kind == "H"
+  assert kernel_tune.tuning_table([], group=4) is None

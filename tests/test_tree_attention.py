@@ -14,6 +14,7 @@ import pytest
 from jetspec_jax.attention import attention, xla_attention
 from jetspec_jax.errors import JetSpecError
 from pallas_kernels import tree_attention as ta
+from pallas_kernels import tuning
 
 TRITON_CALL = "__gpu$xla.gpu.triton"
 
@@ -123,6 +124,18 @@ def test_prefix_splits_match_xla(case, dtype):
   out = ta.tree_attention(*args, interpret=True, num_splits=num_splits, block_r=16, block_k=16)
   assert out.shape == args[0].shape and out.dtype == args[0].dtype
   assert _rel_err(out, xla_attention(*args)) <= TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("config", [
+    tuning.LaunchConfig(block_r=16, block_k=128, num_warps=4, num_stages=3),
+    tuning.LaunchConfig(block_r=32, block_k=32, num_warps=4, num_stages=2, num_splits=2),
+    tuning.LaunchConfig(block_r=128, block_k=64, num_warps=8, num_stages=3)], ids=["r16", "r32-split2", "r128"])
+def test_tuning_table_configurations_match_xla(config):
+  """A configuration reached through a tuning table computes the same attention."""
+  args = _problem(zlib.crc32(repr(config).encode()), num_q=9, group=4, prefixes=(300, 0), tree="random",
+                  head_dim=64, dtype=jnp.float32, num_kv=2)
+  out = ta.tree_attention(*args, interpret=True, tuning=tuning.KernelTuning(rules=((1, config),)))
+  assert _rel_err(out, xla_attention(*args)) <= 1e-5
 
 
 def test_default_splits_follow_the_grid():

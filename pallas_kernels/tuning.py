@@ -1,0 +1,131 @@
+"""Launch configurations of the tree-attention kernel, chosen per problem from a tuning table.
+
+A ``KernelTuning`` maps the kernel's tile rows (GQA group x tree nodes, the dimension a small tree
+fills) to a ``LaunchConfig``: rule i = (max_rows, config) applies to problems with
+rows <= max_rows that no earlier rule takes; problems above every rule use the last rule's config.
+``bench/gpu_check.py`` measures one (its tune section) and writes it as JSON:
+
+  {"device_kind": "NVIDIA H200", "rules": [{"max_rows": 4, "block_r": 16, "block_k": 64,
+   "num_warps": 4, "num_stages": 2, "num_splits": null}, ...]}
+
+``active_tuning()`` is the table the kernel uses when a call does not pass launch parameters: the
+file named by the environment variable ``JETSPEC_KERNEL_TUNING`` when it is set, else the table
+shipped for this device kind (``pallas_kernels/tuning/<device kind>.json``, e.g.
+``nvidia_h200.json``) when there is one, else ``DEFAULT_TUNING``. The table is read when a kernel
+call is traced: a jitted caller compiled before the variable changed keeps its configuration.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import re
+from pathlib import Path
+
+from jetspec_jax.errors import JetSpecError
+
+ENV_VAR = "JETSPEC_KERNEL_TUNING"
+SHIPPED_DIR = Path(__file__).parent / "tuning"
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchConfig:
+  """One launch: row and prefix-key tile sizes (powers of two >= 16), Triton warps and pipeline
+  stages, and the prefix splits (None: chosen per problem by ``launch_shapes``)."""
+  block_r: int = 64
+  block_k: int = 64
+  num_warps: int = 4
+  num_stages: int = 2
+  num_splits: int | None = None
+
+
+FIELDS = tuple(f.name for f in dataclasses.fields(LaunchConfig))
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelTuning:
+  """rules: ((max_rows, LaunchConfig), ...) with max_rows strictly increasing; device_kind: the device
+  it was measured on ("" for the built-in default)."""
+  rules: tuple[tuple[int, LaunchConfig], ...]
+  device_kind: str = ""
+
+  def __post_init__(self):
+    bounds = [max_rows for max_rows, _ in self.rules]
+    if not bounds or any(b < 1 for b in bounds) or bounds != sorted(set(bounds)):
+      raise JetSpecError(f"a kernel tuning needs at least one rule, with max_rows >= 1 strictly increasing; "
+                         f"got max_rows {bounds}.")
+
+  def config_for(self, rows: int) -> LaunchConfig:
+    """The configuration of a problem whose tile rows (group x tree nodes) are ``rows``."""
+    return next((config for max_rows, config in self.rules if rows <= max_rows), self.rules[-1][1])
+
+  def to_json(self) -> dict:
+    return dict(device_kind=self.device_kind,
+                rules=[dict(max_rows=max_rows, **dataclasses.asdict(config)) for max_rows, config in self.rules])
+
+  @classmethod
+  def from_json(cls, data, *, source: str = "kernel tuning") -> KernelTuning:
+    """Parses ``to_json``'s form; every problem is a JetSpecError that names ``source`` and the key."""
+    if not isinstance(data, dict) or not isinstance(data.get("rules"), list):
+      raise JetSpecError(f"{source}: expected an object with a list 'rules', got {type(data).__name__}.")
+    rules = []
+    for i, rule in enumerate(data["rules"]):
+      if not isinstance(rule, dict):
+        raise JetSpecError(f"{source}: rules[{i}] is not an object.")
+      unknown = sorted(set(rule) - {"max_rows", *FIELDS})
+      if unknown:
+        raise JetSpecError(f"{source}: rules[{i}] has unknown key(s) {unknown}; allowed: max_rows, {', '.join(FIELDS)}.")
+      if not isinstance(rule.get("max_rows"), int):
+        raise JetSpecError(f"{source}: rules[{i}] needs an integer 'max_rows'.")
+      fields = {k: v for k, v in rule.items() if k != "max_rows"}
+      for key, value in fields.items():
+        if not (isinstance(value, int) or (key == "num_splits" and value is None)):
+          raise JetSpecError(f"{source}: rules[{i}].{key} must be an integer, got {value!r}.")
+      rules.append((rule["max_rows"], LaunchConfig(**fields)))
+    return cls(rules=tuple(rules), device_kind=str(data.get("device_kind", "")))
+
+  def save(self, path: str | os.PathLike) -> None:
+    """Writes the JSON form through a temporary file and a rename (never half-written)."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(self.to_json(), indent=2) + "\n")
+    tmp.replace(path)
+
+
+DEFAULT_TUNING = KernelTuning(rules=((4096, LaunchConfig()),))   # one configuration for every problem
+
+
+@functools.lru_cache(maxsize=None)
+def _load(path: str, mtime_ns: int) -> KernelTuning:
+  del mtime_ns                                        # part of the cache key: an edited file is re-read
+  try:
+    data = json.loads(Path(path).read_text())
+  except json.JSONDecodeError as e:
+    raise JetSpecError(f"kernel tuning {path} is not valid JSON: {e}.") from None
+  return KernelTuning.from_json(data, source=f"kernel tuning {path}")
+
+
+def load_tuning(path: str | os.PathLike) -> KernelTuning:
+  """The table in a JSON file (see the module docstring); a clear error for a missing or bad file."""
+  path = Path(path)
+  if not path.is_file():
+    raise JetSpecError(f"kernel tuning file {path} does not exist.")
+  return _load(str(path.resolve()), path.stat().st_mtime_ns)
+
+
+def shipped_path(device_kind: str) -> Path:
+  """Where the table shipped for a device kind lives: "NVIDIA H200" -> tuning/nvidia_h200.json."""
+  return SHIPPED_DIR / (re.sub(r"[^a-z0-9]+", "_", device_kind.lower()).strip("_") + ".json")
+
+
+def active_tuning(device_kind: str | None = None) -> KernelTuning:
+  """$JETSPEC_KERNEL_TUNING, else the shipped table of ``device_kind`` (default: the first device's),
+  else DEFAULT_TUNING."""
+  if path := os.environ.get(ENV_VAR):
+    return load_tuning(path)
+  if device_kind is None:
+    import jax
+    device_kind = jax.devices()[0].device_kind
+  shipped = shipped_path(device_kind)
+  return load_tuning(shipped) if shipped.is_file() else DEFAULT_TUNING
