@@ -5,6 +5,7 @@ setup(
     version="0.1.0",
     description="JetSpec tree speculative decoding (causal parallel drafting) for Qwen3 in JAX",
     packages=find_packages(include=["jetspec_jax", "jetspec_jax.*", "pallas_kernels", "pallas_kernels.*", "configs"]),
+    package_data={"pallas_kernels": ["tuning/*.json"]},     # kernel tuning tables shipped per GPU kind
     python_requires=">=3.10",
     install_requires=[
         "jax>=0.10,<0.12",
