@@ -11,15 +11,16 @@ Same contract as ``jetspec_jax.attention.xla_attention`` (the reference):
 Kernel layout. The grid is (batch, kv head, row block, prefix split). A tile's rows are the GQA
 group and the T query rows folded together, row r = t * group + g (query head kv_head * group + g,
 node t), so a small tree still fills a tile: a decode step with group 4 is one 16-row tile. Each
-program reads its share of its kv head's prefix keys once, in blocks of ``block_k`` under a length
-mask only; the last split then reads the tree's own keys (positions prefix_len + t) in blocks of
+program reads its share of its kv head's prefix keys once, in blocks of ``block_k``: whole blocks
+with no mask at all, the prefix's partial last block under a length mask; the last split then reads the tree's own keys (positions prefix_len + t) in blocks of
 ``block_t`` under the ancestor mask; online softmax in float32 (exp2 domain). The ancestor mask
 travels bit-packed: int32 words [B, T, W], bit (t % 32) of word t // 32 of row i is
 block_mask[b, i, t].
 
 Prefix splits (flash-decoding). A small tree at batch 1 has only (kv heads x row blocks)
 programs, too few to pull the prefix through HBM at full bandwidth, so the prefix is cut into
-``num_splits`` contiguous shares of whole key blocks, sized at run time from prefix_len[b]. With
+``num_splits`` contiguous shares of whole key blocks, sized at run time from prefix_len[b] so that
+the splits do equal work, the last one's tree keys counted (``split_blocks``). With
 more than one split every program writes its unnormalised partial (acc, running max m, running sum
 l) in float32, and ``combine_splits`` (XLA) merges them: out = sum_s 2^(m_s - m) acc_s /
 sum_s 2^(m_s - m) l_s with m = max_s m_s. One split writes the normalised output directly.
@@ -157,12 +158,14 @@ def pack_block_mask(block_mask: jax.Array, mask_words: int) -> jax.Array:
 
 
 def _online_softmax_step(carry, scores, visible, v):
-  """Folds one key block into (acc [R, Dh] f32, m [R] f32, l [R] f32); scores are log2-scaled.
+  """Folds one key block into (acc [R, Dh] f32, m [R] f32, l [R] f32); scores are log2-scaled;
+  visible: [R, K] or [1, K] bool, or None when every key is visible.
 
   A row with no visible key yet keeps m = -inf; its probabilities are exactly zero.
   """
   acc, m_prev, l_prev = carry
-  scores = jnp.where(visible, scores, -jnp.inf)
+  if visible is not None:                    # None: every key of the block is visible
+    scores = jnp.where(visible, scores, -jnp.inf)
   m_next = jnp.maximum(m_prev, jnp.max(scores, axis=1))
   m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)
   alpha = jnp.exp2(m_prev - m_safe)
@@ -170,6 +173,17 @@ def _online_softmax_step(carry, scores, visible, v):
   l_next = l_prev * alpha + jnp.sum(p, axis=1)
   acc = acc * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v)
   return acc, m_next, l_next
+
+
+def split_blocks(split, prefix_blocks, shapes: LaunchShapes):
+  """Prefix key blocks [first, last) that ``split`` reads, for a row with ``prefix_blocks`` blocks of
+  ``block_k`` keys (ints or traced int32 scalars). The shares are contiguous and cover every block;
+  they are sized so that every split does about the same work, the last one counting the tree keys
+  it also reads, and none takes fewer than ``min_split_blocks`` blocks (later splits may be empty)."""
+  tree_work = pl.cdiv(shapes.num_tree_blocks * shapes.block_t, shapes.block_k)
+  share = jnp.maximum(pl.cdiv(prefix_blocks + tree_work, shapes.num_splits), shapes.min_split_blocks)
+  first = jnp.minimum(split * share, prefix_blocks)
+  return first, jnp.minimum(first + share, prefix_blocks)
 
 
 def _kernel(prefix_ref, q_ref, k_ref, v_ref, words_ref, *out_refs, shapes: LaunchShapes,
@@ -204,19 +218,23 @@ def _kernel(prefix_ref, q_ref, k_ref, v_ref, words_ref, *out_refs, shapes: Launc
 
   prefix_end = jnp.minimum(prefix, cache_len)
   prefix_blocks = pl.cdiv(prefix_end, block_k)
-  # This split's share of the prefix key blocks: contiguous, balanced for this row's prefix_len.
-  share = jnp.maximum(pl.cdiv(prefix_blocks, shapes.num_splits), shapes.min_split_blocks)
-  first_block = jnp.minimum(split * share, prefix_blocks)
-  last_block = jnp.minimum(first_block + share, prefix_blocks)
+  full_blocks = prefix_end // block_k           # blocks wholly inside the prefix: no length mask
+  first_block, last_block = split_blocks(split, prefix_blocks, shapes)
 
-  def prefix_step(j, carry):
-    keys = j * block_k + jnp.arange(block_k)
-    valid = keys < prefix_end
-    k, v = key_block(j * block_k, block_k, valid)
-    scores = plgpu.dot(q, k, trans_b=True) * qk_scale
-    return _online_softmax_step(carry, scores, valid[None, :], v)
+  def prefix_step(masked: bool):
+    def step(j, carry):
+      if not masked:
+        k, v = k_ref[pl.ds(j * block_k, block_k), :], v_ref[pl.ds(j * block_k, block_k), :]
+        return _online_softmax_step(carry, plgpu.dot(q, k, trans_b=True) * qk_scale, None, v)
+      valid = j * block_k + jnp.arange(block_k) < prefix_end
+      k, v = key_block(j * block_k, block_k, valid)
+      return _online_softmax_step(carry, plgpu.dot(q, k, trans_b=True) * qk_scale, valid[None, :], v)
+    return step
 
-  carry = lax.fori_loop(first_block, last_block, prefix_step, carry)
+  if cache_len >= block_k:                      # else no prefix block is whole (and none can be sliced)
+    carry = lax.fori_loop(first_block, jnp.minimum(last_block, full_blocks), prefix_step(False), carry)
+  # The partial last block of the prefix (if any, and if it is this split's): under the length mask.
+  carry = lax.fori_loop(jnp.maximum(first_block, full_blocks), last_block, prefix_step(True), carry)
 
   def tree_step(j, carry):
     keys = j * block_t + jnp.arange(block_t)          # index t into the new rows

@@ -109,9 +109,10 @@ def test_unused_cache_rows_are_never_read():
 
 
 # (num_q, group, prefix per batch row, num_splits): splits that share the prefix unevenly, splits
-# left empty by a short or zero prefix, and more splits than prefix blocks.
+# left empty by a short or zero prefix, more splits than prefix blocks, prefixes of whole key blocks
+# (no partial block), and a tree long enough that the last split reads no prefix block.
 SPLIT_CASES = [(1, 4, (1000, 0), 3), (5, 8, (127, 1000), 4), (16, 1, (1, 700), 2), (100, 4, (1000, 0), 5),
-               (3, 4, (0, 0), 4)]
+               (3, 4, (0, 0), 4), (1, 4, (64, 512), 3), (100, 1, (32, 256), 4)]
 
 
 @pytest.mark.parametrize("case", SPLIT_CASES, ids=lambda c: f"N{c[0]}-g{c[1]}-p{'_'.join(map(str, c[2]))}-s{c[3]}")
@@ -136,6 +137,21 @@ def test_tuning_table_configurations_match_xla(config):
                   head_dim=64, dtype=jnp.float32, num_kv=2)
   out = ta.tree_attention(*args, interpret=True, tuning=tuning.KernelTuning(rules=((1, config),)))
   assert _rel_err(out, xla_attention(*args)) <= 1e-5
+
+
+@pytest.mark.parametrize("num_q,prefix,num_splits", [(128, 1024, 2), (128, 4096, 4), (256, 4096, 2), (1, 16384, 33),
+                                                     (16, 700, 3), (200, 64, 4), (5, 0, 2)])
+def test_split_shares_cover_the_prefix_and_balance_the_work(num_q, prefix, num_splits):
+  """Every prefix block is read by exactly one split, and the busiest split (the last one also reads the
+  tree) does no more than an even share of prefix + tree blocks, or min_split_blocks."""
+  shapes = ta.launch_shapes(1, num_q, 32, 8, 128, num_splits=num_splits)
+  blocks = -(-prefix // shapes.block_k)
+  ranges = [tuple(int(b) for b in ta.split_blocks(s, blocks, shapes)) for s in range(num_splits)]
+  assert [b for first, last in ranges for b in range(first, last)] == list(range(blocks))
+  tree = -(-shapes.num_tree_blocks * shapes.block_t // shapes.block_k)
+  work = [last - first for first, last in ranges]
+  work[-1] += tree
+  assert max(work) <= max(-(-(blocks + tree) // num_splits), shapes.min_split_blocks)
 
 
 def test_default_splits_follow_the_grid():
@@ -193,7 +209,8 @@ def test_lowers_to_one_triton_call_for_cuda(num_q, head_dim, triton_modules):
 
 @pytest.mark.parametrize("num_q,head_dim", [(1, 128), (5, 128), (100, 64), (512, 128)])
 def test_triton_ir_obeys_tile_rules(num_q, head_dim, capsys):
-  """Every tensor in the emitted Triton IR has power-of-two dims; every dot operand dim >= 16."""
+  """Every tensor in the emitted Triton IR has power-of-two dims; every dot operand dim >= 16 (q.k and p.v
+  in each of the three key loops: whole prefix blocks, the partial prefix block, the tree)."""
   _lower_for_cuda(num_q, head_dim, debug=True)
   ir = capsys.readouterr().out.split("The Triton module for pallas_call")[-1]
   # MLIR falls back to the generic form ("tt.dot"(...)) only for a module that fails to verify.
@@ -201,7 +218,7 @@ def test_triton_ir_obeys_tile_rules(num_q, head_dim, capsys):
   tensor_dims = [[int(d) for d in m.split("x")] for m in re.findall(r"tensor<((?:\d+x)*\d+)x", ir)]
   assert tensor_dims and all(d & (d - 1) == 0 for dims in tensor_dims for d in dims)
   dots = re.findall(r"tt\.dot .*?: tensor<(\d+)x(\d+)x\w+> \* tensor<(\d+)x(\d+)x\w+>", ir)
-  assert len(dots) == 4 and all(int(d) >= ta.MIN_DOT_DIM for dot in dots for d in dot)
+  assert len(dots) == 6 and all(int(d) >= ta.MIN_DOT_DIM for dot in dots for d in dot)
 
 
 @pytest.mark.parametrize("num_q,group,head_dim", sorted(
