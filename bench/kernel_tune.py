@@ -1,7 +1,8 @@
 """Tile-size sweep of the Pallas tree-attention kernel, run by ``bench/gpu_check.py`` (tune section).
 
 For a few problem shapes (N tree nodes x prefix length, Qwen3-8B attention), time the kernel under
-each candidate launch configuration (block_r, block_k, num_warps, num_stages) and report every
+each candidate launch configuration (block_r, block_k, num_warps, num_stages, and the rule that picks
+the prefix splits: target_programs, min_split_keys) and report every
 time, the fastest configuration per shape against the default one, and a tuning table
 (``pallas_kernels.tuning.KernelTuning``) that gives each row count (GQA group x N) of the sweep the
 configuration that does best over its shapes. A configuration that is illegal for a shape
@@ -9,21 +10,24 @@ configuration that does best over its shapes. A configuration that is illegal fo
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable
 
 import jax
 
 from pallas_kernels.tree_attention import tree_attention
-from pallas_kernels.tuning import KernelTuning, LaunchConfig
+from pallas_kernels.tuning import FIELDS, KernelTuning, LaunchConfig
 
 DEFAULT = LaunchConfig()
-# Hopper candidates: the default, deeper pipelines, wider key blocks, more warps, other row tiles.
+# Hopper candidates: the default, deeper pipelines, wider key blocks, more warps, other row tiles; then
+# more prefix splits (shorter ones, more programs) for the bandwidth-bound small trees.
 CONFIGS = tuple(LaunchConfig(*values) for values in (
     (64, 64, 4, 2), (64, 64, 4, 3), (64, 64, 8, 3), (64, 128, 4, 2), (64, 128, 8, 2), (64, 128, 8, 3),
-    (128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2), (32, 64, 4, 2), (32, 128, 4, 3), (16, 64, 4, 2)))
+    (128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2), (32, 64, 4, 2), (32, 128, 4, 3), (16, 64, 4, 2))) + (
+    LaunchConfig(min_split_keys=256), LaunchConfig(target_programs=528, min_split_keys=256),
+    LaunchConfig(block_k=128, num_stages=3, target_programs=528, min_split_keys=256))
 # (N, prefix): decode and the budgets 16 and 128 at the decode benchmarks' 1k prefix and at 4k+.
 SHAPES = ((1, 1024), (1, 16384), (16, 1024), (16, 4096), (128, 1024), (128, 4096))
-LAUNCH_KEYS = ("block_r", "block_k", "num_warps", "num_stages")
 
 
 def tune_section(make_inputs: Callable, timer: Callable, *, group: int, shapes=SHAPES, configs=CONFIGS,
@@ -39,7 +43,7 @@ def tune_section(make_inputs: Callable, timer: Callable, *, group: int, shapes=S
     args = make_inputs(n, prefix)                      # once per problem, shared by its configs
     timed = []
     for config in configs:
-      row = dict(n=n, prefix=prefix, **{k: getattr(config, k) for k in LAUNCH_KEYS})
+      row = dict(n=n, prefix=prefix, **dataclasses.asdict(config))
       try:
         only = KernelTuning(rules=((1, config),))        # this config, whatever table is active
         fn = jax.jit(lambda *a, only=only: tree_attention(*a, interpret=interpret, tuning=only))
@@ -58,7 +62,7 @@ def tune_section(make_inputs: Callable, timer: Callable, *, group: int, shapes=S
 
 
 def _config(row: dict) -> LaunchConfig:
-  return LaunchConfig(**{k: row[k] for k in LAUNCH_KEYS})
+  return LaunchConfig(**{k: row[k] for k in FIELDS})
 
 
 def tuning_table(rows: list[dict], *, group: int, device_kind: str = "") -> KernelTuning | None:

@@ -101,8 +101,8 @@ class LaunchShapes:
 def launch_shapes(batch: int, num_q: int, num_q_heads: int, num_kv_heads: int, head_dim: int, *,
                   cache_len: int | None = None, block_r: int = LaunchConfig.block_r,
                   block_k: int = LaunchConfig.block_k, num_splits: int | None = None,
-                  target_programs: int = 264, num_warps: int = LaunchConfig.num_warps,
-                  num_stages: int = LaunchConfig.num_stages) -> LaunchShapes:
+                  target_programs: int = LaunchConfig.target_programs, min_split_keys: int | None = None,
+                  num_warps: int = LaunchConfig.num_warps, num_stages: int = LaunchConfig.num_stages) -> LaunchShapes:
   """Tile sizes for a problem; raises ``JetSpecError`` for unsupported shapes or illegal tiles.
 
   ``block_r`` and ``block_k`` are upper bounds (powers of two >= 16): a tile never has more rows
@@ -111,8 +111,9 @@ def launch_shapes(batch: int, num_q: int, num_q_heads: int, num_kv_heads: int, h
 
   ``num_splits=None`` picks the prefix splits: enough for about ``target_programs`` programs (two
   waves of an H100/H200's 132 SMs), at most one per ``min_split_blocks`` key blocks of the cache
-  (``cache_len``; one split when it is not given), where a split spans at least 8 * block_r keys
-  (its partials then cost at most a quarter of its key/value bytes) and at least 256 keys.
+  (``cache_len``; one split when it is not given), where a split spans at least ``min_split_keys``
+  keys, by default max(8 * block_r, 256) (its float32 partials then cost at most a quarter of its
+  key/value bytes).
   """
   if head_dim not in SUPPORTED_HEAD_DIMS:
     raise JetSpecError(f"tree attention supports head_dim {SUPPORTED_HEAD_DIMS}, not {head_dim}.")
@@ -125,12 +126,14 @@ def launch_shapes(batch: int, num_q: int, num_q_heads: int, num_kv_heads: int, h
       raise JetSpecError(f"{name}={value} must be a power of two >= {MIN_DOT_DIM}.")
   if num_splits is not None and num_splits < 1:
     raise JetSpecError(f"num_splits={num_splits} must be at least 1 (or None to choose).")
+  if target_programs < 1 or (min_split_keys is not None and min_split_keys < 1):
+    raise JetSpecError(f"target_programs={target_programs} and min_split_keys={min_split_keys} must be at least 1.")
   rows = num_q_heads // num_kv_heads * num_q
   block_r = min(block_r, pl.next_power_of_2(max(rows, MIN_DOT_DIM)))
   block_t = min(block_k, pl.next_power_of_2(max(num_q, MIN_DOT_DIM)))
   num_tree_blocks = pl.cdiv(num_q, block_t)
   row_blocks = pl.cdiv(rows, block_r)
-  min_split_blocks = pl.cdiv(max(8 * block_r, 256), block_k)
+  min_split_blocks = pl.cdiv(max(8 * block_r, 256) if min_split_keys is None else min_split_keys, block_k)
   if num_splits is None:
     by_programs = max(target_programs // (batch * num_kv_heads * row_blocks), 1)
     by_length = max(pl.cdiv(cache_len or 0, block_k) // min_split_blocks, 1)

@@ -32,15 +32,20 @@ SHIPPED_DIR = Path(__file__).parent / "tuning"
 @dataclasses.dataclass(frozen=True)
 class LaunchConfig:
   """One launch: row and prefix-key tile sizes (powers of two >= 16), Triton warps and pipeline
-  stages, and the prefix splits (None: chosen per problem by ``launch_shapes``)."""
+  stages, and the prefix splits: a fixed count, or (None) chosen per problem by ``launch_shapes``
+  for about ``target_programs`` programs with splits of at least ``min_split_keys`` keys (None:
+  max(8 * block_r, 256))."""
   block_r: int = 64
   block_k: int = 64
   num_warps: int = 4
   num_stages: int = 2
   num_splits: int | None = None
+  target_programs: int = 264
+  min_split_keys: int | None = None
 
 
 FIELDS = tuple(f.name for f in dataclasses.fields(LaunchConfig))
+OPTIONAL = ("num_splits", "min_split_keys")          # fields that may be null (chosen per problem)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,7 +85,7 @@ class KernelTuning:
         raise JetSpecError(f"{source}: rules[{i}] needs an integer 'max_rows'.")
       fields = {k: v for k, v in rule.items() if k != "max_rows"}
       for key, value in fields.items():
-        if not (isinstance(value, int) or (key == "num_splits" and value is None)):
+        if not (isinstance(value, int) or (key in OPTIONAL and value is None)):
           raise JetSpecError(f"{source}: rules[{i}].{key} must be an integer, got {value!r}.")
       rules.append((rule["max_rows"], LaunchConfig(**fields)))
     return cls(rules=tuple(rules), device_kind=str(data.get("device_kind", "")))

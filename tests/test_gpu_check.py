@@ -53,7 +53,7 @@ def test_smoke_run_writes_every_section(gpu_check, tmp_path, monkeypatch):
   table = tuning.load_tuning(tmp_path / "kernel_tuning.json")
   assert tune["applied"] == str(tmp_path / "kernel_tuning.json") == os.environ[tuning.ENV_VAR]
   fastest = tune["best"][0]
-  assert table.rules == ((10, tuning.LaunchConfig(**{k: fastest[k] for k in kernel_tune.LAUNCH_KEYS})),)
+  assert table.rules == ((10, tuning.LaunchConfig(**{k: fastest[k] for k in tuning.FIELDS})),)
   assert report["kernel"]["tuning"] == tuning.DEFAULT_TUNING.to_json()
 
 
@@ -77,8 +77,7 @@ def test_an_illegal_tuning_config_is_recorded_not_raised(gpu_check):
 
 
 def _timed(n, prefix, us_by_config):
-  return [dict(n=n, prefix=prefix, **{k: getattr(c, k) for k in kernel_tune.LAUNCH_KEYS}, us=us)
-          for c, us in us_by_config.items()]
+  return [dict(n=n, prefix=prefix, **dataclasses.asdict(c), us=us) for c, us in us_by_config.items()]
 
 
 def test_tuning_table_takes_the_best_config_over_each_row_count():
@@ -87,7 +86,7 @@ def test_tuning_table_takes_the_best_config_over_each_row_count():
           + _timed(16, 1024, {a: 10.0, b: 20.0, c: 11.0})       # rows 64, two prefixes: relative sums
           + _timed(16, 4096, {a: 40.0, b: 41.0, c: 20.0})       # a 1+2, b 2+2.05, c 1.1+1 -> c
           + _timed(128, 1024, {a: 5.0, b: 5.0})                 # rows 512: a tie goes to the earlier config
-          + [dict(n=128, prefix=1024, **{k: getattr(c, k) for k in kernel_tune.LAUNCH_KEYS}, error="x")])
+          + [dict(n=128, prefix=1024, **dataclasses.asdict(c), error="x")])
   table = kernel_tune.tuning_table(rows, group=4, device_kind="H")
   assert table.rules == ((4, b), (64, c), (512, a)) and table.device_kind == "H"
   assert kernel_tune.tuning_table([], group=4) is None

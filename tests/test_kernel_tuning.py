@@ -15,7 +15,7 @@ from pallas_kernels import tuning as kt
 
 SMALL = kt.LaunchConfig(block_r=16, block_k=128, num_warps=4, num_stages=3)
 MEDIUM = kt.LaunchConfig(block_r=64, block_k=64, num_warps=4, num_stages=2, num_splits=2)
-LARGE = kt.LaunchConfig(block_r=128, block_k=64, num_warps=8, num_stages=3)
+LARGE = kt.LaunchConfig(block_r=128, block_k=64, num_warps=8, num_stages=3, target_programs=528, min_split_keys=256)
 TABLE = kt.KernelTuning(rules=((4, SMALL), (64, MEDIUM), (512, LARGE)), device_kind="test device")
 
 

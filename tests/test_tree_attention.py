@@ -163,6 +163,10 @@ def test_default_splits_follow_the_grid():
   assert ta.launch_shapes(1, 16, 32, 8, 128, cache_len=300).num_splits == 1
   assert ta.launch_shapes(1, 16, 32, 8, 128).num_splits == 1          # no cache length given
   assert ta.launch_shapes(64, 1, 32, 8, 128, cache_len=16384).num_splits == 1
+  # the rule's knobs (tuning tables set them): shorter splits, more programs
+  assert ta.launch_shapes(1, 16, 32, 8, 128, cache_len=4096).num_splits == 8          # 512-key splits
+  assert ta.launch_shapes(1, 16, 32, 8, 128, cache_len=4096, min_split_keys=256).num_splits == 16
+  assert ta.launch_shapes(1, 1, 32, 8, 128, cache_len=16384, target_programs=528, min_split_keys=256).num_splits == 64
 
 
 def test_attention_dispatch_uses_kernel():
@@ -236,6 +240,7 @@ def test_launch_shapes_obey_triton_rules(num_q, group, head_dim):
     (dict(num_q_heads=30), "multiple of kv heads"),
     (dict(block_k=48), "block_k"),
     (dict(block_r=8), "block_r"),
+    (dict(min_split_keys=0), "min_split_keys=0"),
 ])
 def test_launch_shapes_rejects_bad_problems(kwargs, message):
   problem = dict(batch=1, num_q=4, num_q_heads=32, num_kv_heads=8, head_dim=128) | kwargs
