@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import shutil
 import statistics
@@ -155,14 +156,32 @@ def kernel_section(*, smoke: bool, iters: int, reps: int, unroll: int, hbm: floa
       rows.append(guarded(dict(n=num_nodes, prefix=prefix), lambda: kernel_row(
           shape, num_nodes, prefix, kernel, one_split, reference, iters=iters, reps=reps, unroll=unroll, hbm=hbm,
           flops_peak=flops_peak, overrides=overrides)))
-      print(f"  kernel N={num_nodes} prefix={prefix}: " + (rows[-1].get("error") or
-            f"{rows[-1]['kernel_us']:.1f} us (XLA {rows[-1]['xla_us']:.1f} us)"), file=sys.stderr, flush=True)
+      row = rows[-1]
+      print(f"  kernel N={num_nodes} prefix={prefix}: " + (row.get("error") or row.get("skipped") or
+            f"{row['kernel_us']:.1f} us (XLA {row['xla_us']:.1f} us)"), file=sys.stderr, flush=True)
   return rows
+
+
+class Deadline:
+  """The run's wall-clock budget (``--minutes``): a row that would start after it is recorded as skipped."""
+
+  def __init__(self, seconds: float = math.inf):
+    self.end = time.monotonic() + seconds
+
+  def passed(self) -> bool:
+    return time.monotonic() >= self.end
+
+
+DEADLINE = Deadline()           # main() starts it; rows check it through ``guarded``
+SKIPPED = "time budget spent (--minutes)"
 
 
 def guarded(key: dict, measure) -> dict:
   """``key`` plus the measured columns, or plus ``error`` when the measurement raised: one failing
-  shape (a Triton compile error, out of memory) must not cost the rest of a one-shot GPU run."""
+  shape (a Triton compile error, out of memory) must not cost the rest of a one-shot GPU run. After
+  the deadline, ``key`` plus ``skipped`` (not a failure)."""
+  if DEADLINE.passed():
+    return {**key, "skipped": SKIPPED}
   try:
     return {**key, **measure()}
   except Exception as e:  # noqa: BLE001  (recorded in the row and counted as a failure)
@@ -348,7 +367,8 @@ def profile_section(model: DecodeModel, *, budgets: tuple[int, ...], max_new: in
   for budget in (None, *budgets):
     rows.append(guarded(dict(mode=mode_name(budget), nodes=budget or 1),
                         lambda: profile_row(model, budget, max_new=max_new, attn_impl=attn_impl)))
-    print(f"\n{rows[-1]['mode']}: " + (rows[-1].get("error") or trace_summary.format_summary(rows[-1], top=12)))
+    row = rows[-1]
+    print(f"\n{row['mode']}: " + (row.get("error") or row.get("skipped") or trace_summary.format_summary(row, top=12)))
   return rows
 
 
@@ -374,7 +394,8 @@ def tune_section(*, smoke: bool, iters: int, reps: int, unroll: int, device_kind
   result = kernel_tune.tune_section(
       lambda n, prefix: make_inputs(shape, n, prefix, seed=n + prefix),
       lambda fn, args: loop_seconds(fn, args, iters=max(iters // 4, 1), reps=reps, unroll=unroll),
-      group=shape.num_q_heads // shape.num_kv_heads, interpret=smoke, device_kind=device_kind, **sweep)
+      group=shape.num_q_heads // shape.num_kv_heads, interpret=smoke, device_kind=device_kind,
+      expired=DEADLINE.passed, **sweep)
   print(f"\nkernel launch configurations, {shape}, fastest per shape (us; default {kernel_tune.DEFAULT}):")
   print(format_table(result["best"]))
   print(f"tuning table from the sweep (max_rows = group x N): {json.dumps(result['table'])}")
@@ -404,6 +425,9 @@ def main(argv: list[str] | None = None) -> int:
   """Runs every section, prints the tables, writes $OUT/gpu_check.json; 1 if a check failed."""
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--smoke", action="store_true", help="tiny shapes, kernel in interpret mode (CPU)")
+  parser.add_argument("--minutes", type=float, default=7.0,
+                      help="wall-clock budget: rows that would start later are skipped and reported (default 7, "
+                           "so a run ends within 8 minutes)")
   parser.add_argument("--hbm-gbps", type=float, help="peak HBM bandwidth in GB/s for unknown devices")
   parser.add_argument("--peak-tflops", type=float, help="peak dense bf16 TFLOP/s for unknown devices")
   parser.add_argument("--iters", type=int, default=20, help="timing samples per measurement")
@@ -430,6 +454,8 @@ def main(argv: list[str] | None = None) -> int:
   if args.smoke:
     args.iters, args.reps = min(args.iters, 3), 1
 
+  global DEADLINE
+  DEADLINE = Deadline(60 * args.minutes)
   device = jax.devices()[0]
   hbm = device_peak(HBM_BYTES_PER_S, device.device_kind, args.hbm_gbps, 1e9)
   flops_peak = device_peak(DENSE_BF16_FLOPS, device.device_kind, args.peak_tflops, 1e12)
@@ -439,7 +465,8 @@ def main(argv: list[str] | None = None) -> int:
   rows = kernel_section(smoke=args.smoke, iters=args.iters, reps=args.reps, unroll=args.unroll, hbm=hbm,
                         flops_peak=flops_peak, overrides=overrides)
   shape = SMOKE if args.smoke else QWEN3_8B
-  failed = [r for r in rows if "error" in r or not r["rel_err"] <= REL_TOLERANCE[shape.dtype]]
+  failed = [r for r in rows if "error" in r or "rel_err" in r and not r["rel_err"] <= REL_TOLERANCE[shape.dtype]]
+  measured = [r for r in rows if "skipped" not in r]
 
   print(f"device: {device.device_kind} ({device.platform}), jax {jax.__version__}, "
         f"HBM {'unknown' if hbm is None else f'{hbm / 1e12:.2f} TB/s'}, "
@@ -447,7 +474,7 @@ def main(argv: list[str] | None = None) -> int:
   print(f"\nkernel vs XLA, {shape}, tuning table {json.dumps(table)}, overrides {overrides}:")
   print(format_table(rows))
   print(f"\nkernel rows measured with errors within {REL_TOLERANCE[shape.dtype]:g}: "
-        f"{len(rows) - len(failed)}/{len(rows)}")
+        f"{len(measured) - len(failed)}/{len(rows)}")
 
   report = dict(device_kind=device.device_kind, platform=device.platform, jax_version=jax.__version__,
                 hbm_bytes_per_s=hbm, dense_bf16_flops=flops_peak, smoke=args.smoke, iters=args.iters, reps=args.reps,
@@ -462,10 +489,15 @@ def main(argv: list[str] | None = None) -> int:
       print(f"the model sections below use this table ({report['tune']['applied']})")
     write_report(report)
   impl = "pallas_interpret" if args.smoke else ("pallas" if device.platform == "gpu" else "xla")
-  needs_model = not (args.skip_phases and args.skip_decode and args.skip_profile)
-  model = decode_model(smoke=args.smoke, layers=args.decode_layers) if needs_model else None
+  model_sections = [name for name, skip in (("phases", args.skip_phases), ("decode", args.skip_decode),
+                                             ("profile", args.skip_profile)) if not skip]
+  if DEADLINE.passed():                     # not even the model is built
+    report.update({name: dict(skipped=SKIPPED) for name in model_sections})
+    model_sections = []
+    write_report(report)
+  model = decode_model(smoke=args.smoke, layers=args.decode_layers) if model_sections else None
   budgets = tuple(int(b) for b in args.decode_budgets.split(","))
-  if not args.skip_phases:
+  if "phases" in model_sections:
     phrows = phase_section(model, budgets=budgets, attn_impl=impl, iters=args.iters, reps=args.reps,
                            unroll=args.unroll)
     print(f"\nround phases timed alone, Qwen3-8B-shaped ({args.decode_layers} layers), batch 1, prefix "
@@ -474,7 +506,7 @@ def main(argv: list[str] | None = None) -> int:
     report["phases"] = dict(layers=args.decode_layers, attention=impl, rows=phrows)
     failed += [r for r in phrows if "error" in r]
     write_report(report)
-  if not args.skip_decode:
+  if "decode" in model_sections:
     drows = decode_section(model, max_new=args.decode_new_tokens, attn_impl=impl, budgets=budgets,
                            methods=tuple(args.decode_trees.split(",")))
     print(f"\njitted decode round, Qwen3-8B-shaped ({args.decode_layers} layers), batch 1, attention {impl}:")
@@ -482,7 +514,7 @@ def main(argv: list[str] | None = None) -> int:
     report["decode"] = dict(layers=args.decode_layers, attention=impl, rows=drows)
     failed += [r for r in drows if "error" in r]
     write_report(report)
-  if not args.skip_profile:
+  if "profile" in model_sections:
     print(f"\nprofiled decode rounds ({args.profile_new_tokens} new tokens), per round, attention {impl}:")
     prows = profile_section(model, max_new=args.profile_new_tokens, attn_impl=impl,
                             budgets=tuple(int(b) for b in args.profile_budgets.split(",")))
@@ -490,6 +522,11 @@ def main(argv: list[str] | None = None) -> int:
                              phases=PHASES, rows=prows)
     failed += [r for r in prows if "error" in r]
     write_report(report)
+  sections = [report["kernel"], *(report[name] for name in ("tune", "phases", "decode", "profile") if name in report)]
+  skipped = [r for section in sections for r in [section, *section.get("rows", [])] if "skipped" in r]
+  if skipped:
+    print(f"\n{len(skipped)} rows or sections skipped: the {args.minutes:g}-minute budget was spent (rerun with a larger "
+          f"--minutes, or --skip-* for the sections already measured)")
   return 1 if failed else 0
 
 

@@ -31,19 +31,24 @@ SHAPES = ((1, 1024), (1, 16384), (16, 1024), (16, 4096), (128, 1024), (128, 4096
 
 
 def tune_section(make_inputs: Callable, timer: Callable, *, group: int, shapes=SHAPES, configs=CONFIGS,
-                 interpret: bool = False, device_kind: str = "") -> dict:
+                 interpret: bool = False, device_kind: str = "", expired: Callable[[], bool] = lambda: False) -> dict:
   """Times every config on every shape.
 
   make_inputs(n, prefix) -> kernel args; timer(fn, args) -> seconds per call; group: query heads per kv
-  head of those inputs. Returns {"rows": [{n, prefix, **config, us | error}], "best": [{n, prefix, **best
+  head of those inputs; expired() -> True once the caller's time budget is spent (the remaining rows are
+  recorded as skipped). Returns {"rows": [{n, prefix, **config, us | error}], "best": [{n, prefix, **best
   config, us, default_us, speedup_vs_default}], "table": KernelTuning.to_json() of ``tuning_table``} (a shape
   whose every config failed has no "best" row)."""
   rows, best = [], []
   for n, prefix in shapes:
-    args = make_inputs(n, prefix)                      # once per problem, shared by its configs
+    args = None
     timed = []
     for config in configs:
       row = dict(n=n, prefix=prefix, **dataclasses.asdict(config))
+      if expired():
+        rows.append({**row, "skipped": "time budget spent"})
+        continue
+      args = make_inputs(n, prefix) if args is None else args     # once per problem, shared by its configs
       try:
         only = KernelTuning(rules=((1, config),))        # this config, whatever table is active
         fn = jax.jit(lambda *a, only=only: tree_attention(*a, interpret=interpret, tuning=only))

@@ -90,3 +90,15 @@ def test_tuning_table_takes_the_best_config_over_each_row_count():
   table = kernel_tune.tuning_table(rows, group=4, device_kind="H")
   assert table.rules == ((4, b), (64, c), (512, a)) and table.device_kind == "H"
   assert kernel_tune.tuning_table([], group=4) is None
+
+
+def test_rows_after_the_time_budget_are_skipped_not_failed(gpu_check, tmp_path, monkeypatch, capsys):
+  """--minutes bounds the run: rows that would start after it are recorded as skipped, the model is not even
+  built, and the run still exits 0 (nothing failed)."""
+  monkeypatch.setenv("OUT", str(tmp_path))
+  assert gpu_check.main(["--smoke", "--minutes", "0", "--skip-profile"]) == 0
+  report = json.loads((tmp_path / "gpu_check.json").read_text())
+  assert all(r["skipped"] == gpu_check.SKIPPED for r in report["kernel"]["rows"])
+  assert all("skipped" in r for r in report["tune"]["rows"]) and report["tune"]["table"] is None
+  assert report["phases"] == report["decode"] == dict(skipped=gpu_check.SKIPPED) and "profile" not in report
+  assert "8 rows or sections skipped" in capsys.readouterr().out          # 4 kernel + 2 tune rows, 2 sections
