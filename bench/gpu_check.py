@@ -24,6 +24,7 @@ the raw traces go to $OUT/traces/<mode>.json.gz.
   python bench/gpu_check.py --smoke         # on CPU: tiny shapes, kernel in interpret mode
 
 Exits non-zero when a kernel row's relative error exceeds its dtype's tolerance or a row records an error.
+Rows that would start after the ``--minutes`` budget (default 7) are recorded as skipped instead.
 """
 from __future__ import annotations
 
