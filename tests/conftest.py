@@ -18,6 +18,19 @@ import hf_fixtures  # noqa: E402
 torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
 
 
+@pytest.fixture(autouse=True)
+def _isolated_kernel_tuning():
+  """Commands under test may set $JETSPEC_KERNEL_TUNING (``--kernel-tuning``, gpu_check's tune section):
+  every test starts with the value the session started with, and gets it back afterwards."""
+  name = "JETSPEC_KERNEL_TUNING"
+  before = os.environ.get(name)
+  yield
+  if before is None:
+    os.environ.pop(name, None)
+  else:
+    os.environ[name] = before
+
+
 @pytest.fixture(scope="session")
 def hf_dir(tmp_path_factory):
   """hf_dir(name, dtype='float32', max_shard_size=None) -> path of the saved HF model (cached)."""

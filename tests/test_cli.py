@@ -73,7 +73,7 @@ def test_generate_takes_a_kernel_tuning_table(hf_dir, tmp_path, capsys, monkeypa
   """--kernel-tuning checks the table and makes it the kernel's active one (test_decode_attention runs the
   loops under a table); a bad table is refused before any model is loaded."""
   from pallas_kernels import tuning
-  monkeypatch.delenv(tuning.ENV_VAR, raising=False)        # the command sets it; restored afterwards
+  monkeypatch.delenv(tuning.ENV_VAR, raising=False)        # the command sets it (conftest restores it)
   path = tmp_path / "tuning.json"
   tuning.KernelTuning(rules=((1, tuning.LaunchConfig(block_r=16)),)).save(path)
   argv = ["generate", "--target", hf_dir("dense_tied", "float32"), "--prompt-ids", "1,2", "--max-new-tokens", "2",

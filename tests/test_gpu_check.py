@@ -26,7 +26,7 @@ def gpu_check():
 def test_smoke_run_writes_every_section(gpu_check, tmp_path, monkeypatch):
   from pallas_kernels import tuning
   monkeypatch.setenv("OUT", str(tmp_path))
-  monkeypatch.delenv(tuning.ENV_VAR, raising=False)         # the run sets it; restored afterwards
+  monkeypatch.delenv(tuning.ENV_VAR, raising=False)         # the run sets it (conftest restores it)
   # the profile section generates as many tokens as the decode section (its default), so it reuses its compiles
   assert gpu_check.main(["--smoke", "--decode-budgets", "16", "--profile-budgets", "16", "--decode-new-tokens", "9"]) == 0
   report = json.loads((tmp_path / "gpu_check.json").read_text())
