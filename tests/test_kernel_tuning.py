@@ -95,3 +95,19 @@ def test_an_illegal_table_entry_is_refused_at_the_call(tmp_path, monkeypatch):
   monkeypatch.setenv(kt.ENV_VAR, str(tmp_path / "t.json"))
   with pytest.raises(JetSpecError, match="block_r=48"):
     _lowered_text(1)
+
+
+def test_every_tune_candidate_lowers_to_a_verified_triton_module(triton_modules):
+  """The GPU run's sweep (bench/kernel_tune.py) should spend its time measuring, not failing: every
+  candidate configuration is legal and gives a Triton module that verifies, for one problem of each row
+  count it is swept on (Qwen3-8B attention, bf16)."""
+  from bench import kernel_tune
+  spec = jax.ShapeDtypeStruct
+  for num_q in sorted({n for n, _ in kernel_tune.SHAPES}):
+    args = (spec((1, num_q, 32, 128), jnp.bfloat16), spec((1, 8, 4096 + num_q, 128), jnp.bfloat16),
+            spec((1, 8, 4096 + num_q, 128), jnp.bfloat16), spec((1,), jnp.int32), spec((1, num_q, num_q), jnp.bool_))
+    for config in kernel_tune.CONFIGS:
+      only = kt.KernelTuning(rules=((1, config),))
+      jax.jit(lambda *a, only=only: ta.tree_attention(*a, tuning=only)).trace(*args).lower(lowering_platforms=("cuda",))
+  assert len(triton_modules) == 3 * len(kernel_tune.CONFIGS)
+  assert [error for _, error in triton_modules if error is not None] == []
