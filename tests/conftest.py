@@ -18,6 +18,15 @@ import hf_fixtures  # noqa: E402
 torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _free_compiled_programs():
+  """After each test module, drop jax's caches of compiled programs. Every XLA:CPU executable keeps
+  its JIT code mapped; kept for the whole session, the suite's programs passed the kernel's limit of
+  65530 memory maps per process (vm.max_map_count), and XLA crashed in a later compile."""
+  yield
+  jax.clear_caches()
+
+
 @pytest.fixture(autouse=True)
 def _isolated_kernel_tuning():
   """Commands under test may set $JETSPEC_KERNEL_TUNING (``--kernel-tuning``, gpu_check's tune section):
