@@ -12,8 +12,9 @@ Kernel layout. The grid is (batch, kv head, row block, prefix split). A tile's r
 group and the T query rows folded together, row r = t * group + g (query head kv_head * group + g,
 node t), so a small tree still fills a tile: a decode step with group 4 is one 16-row tile. Each
 program reads its share of its kv head's prefix keys once, in blocks of ``block_k``: whole blocks
-with no mask at all, the prefix's partial last block under a length mask; the last split then reads the tree's own keys (positions prefix_len + t) in blocks of
-``block_t`` under the ancestor mask; online softmax in float32 (exp2 domain). The ancestor mask
+with no mask at all, the prefix's partial last block under a length mask; the last split then
+reads the tree's own keys (positions prefix_len + t) in blocks of ``block_t`` under the ancestor
+mask; online softmax in float32 (exp2 domain). The ancestor mask
 travels bit-packed: int32 words [B, T, W], bit (t % 32) of word t // 32 of row i is
 block_mask[b, i, t].
 

@@ -6,7 +6,9 @@ rows <= max_rows that no earlier rule takes; problems above every rule use the l
 ``bench/gpu_check.py`` measures one (its tune section) and writes it as JSON:
 
   {"device_kind": "NVIDIA H200", "rules": [{"max_rows": 4, "block_r": 16, "block_k": 64,
-   "num_warps": 4, "num_stages": 2, "num_splits": null}, ...]}
+   "num_warps": 4, "num_stages": 2, "num_splits": null, "target_programs": 528}, ...]}
+
+(a field left out of a rule takes ``LaunchConfig``'s default).
 
 ``active_tuning()`` is the table the kernel uses when a call does not pass launch parameters: the
 file named by the environment variable ``JETSPEC_KERNEL_TUNING`` when it is set, else the table
