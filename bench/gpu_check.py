@@ -498,10 +498,11 @@ def main(argv: list[str] | None = None) -> int:
     write_report(report)
   model = decode_model(smoke=args.smoke, layers=args.decode_layers) if model_sections else None
   budgets = tuple(int(b) for b in args.decode_budgets.split(","))
+  model_label = "the tiny smoke model" if args.smoke else f"Qwen3-8B-shaped ({args.decode_layers} layers)"
   if "phases" in model_sections:
     phrows = phase_section(model, budgets=budgets, attn_impl=impl, iters=args.iters, reps=args.reps,
                            unroll=args.unroll)
-    print(f"\nround phases timed alone, Qwen3-8B-shaped ({args.decode_layers} layers), batch 1, prefix "
+    print(f"\nround phases timed alone, {model_label}, batch 1, prefix "
           f"{len(model.prompt[0])}, attention {impl}:")
     print(format_table(phrows))
     report["phases"] = dict(layers=args.decode_layers, attention=impl, rows=phrows)
@@ -510,7 +511,7 @@ def main(argv: list[str] | None = None) -> int:
   if "decode" in model_sections:
     drows = decode_section(model, max_new=args.decode_new_tokens, attn_impl=impl, budgets=budgets,
                            methods=tuple(args.decode_trees.split(",")))
-    print(f"\njitted decode round, Qwen3-8B-shaped ({args.decode_layers} layers), batch 1, attention {impl}:")
+    print(f"\njitted decode round, {model_label}, batch 1, attention {impl}:")
     print(format_table(drows))
     report["decode"] = dict(layers=args.decode_layers, attention=impl, rows=drows)
     failed += [r for r in drows if "error" in r]
