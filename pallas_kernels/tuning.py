@@ -19,7 +19,6 @@ call is traced: a jitted caller compiled before the variable changed keeps its c
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import os
 import re
@@ -103,22 +102,17 @@ class KernelTuning:
 DEFAULT_TUNING = KernelTuning(rules=((4096, LaunchConfig()),))   # one configuration for every problem
 
 
-@functools.lru_cache(maxsize=None)
-def _load(path: str, mtime_ns: int) -> KernelTuning:
-  del mtime_ns                                        # part of the cache key: an edited file is re-read
-  try:
-    data = json.loads(Path(path).read_text())
-  except json.JSONDecodeError as e:
-    raise JetSpecError(f"kernel tuning {path} is not valid JSON: {e}.") from None
-  return KernelTuning.from_json(data, source=f"kernel tuning {path}")
-
-
 def load_tuning(path: str | os.PathLike) -> KernelTuning:
-  """The table in a JSON file (see the module docstring); a clear error for a missing or bad file."""
+  """The table in a JSON file (see the module docstring); a clear error for a missing or bad file.
+  Read on every call (a kernel trace, a few hundred bytes): an edited file always takes effect."""
   path = Path(path)
   if not path.is_file():
     raise JetSpecError(f"kernel tuning file {path} does not exist.")
-  return _load(str(path.resolve()), path.stat().st_mtime_ns)
+  try:
+    data = json.loads(path.read_text())
+  except json.JSONDecodeError as e:
+    raise JetSpecError(f"kernel tuning {path} is not valid JSON: {e}.") from None
+  return KernelTuning.from_json(data, source=f"kernel tuning {path}")
 
 
 def shipped_path(device_kind: str) -> Path:
