@@ -4,6 +4,8 @@
 directly (they only apply if jax has not been initialised yet).
 """
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -16,6 +18,22 @@ import torch  # noqa: E402
 import hf_fixtures  # noqa: E402
 
 torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
+
+
+def pytest_configure(config):
+  """A compilation cache on disk for this session only. Many tests build fresh jitted closures of the
+  same programs (a trainer run and its resumed half, a reference and a sharded run), and the in-memory
+  caches are dropped after every module (below). Set before collection, so before the first compile
+  (jax decides once whether the cache is on), and in this process only: the multi-process tests'
+  children do not share it."""
+  config._xla_cache_dir = tempfile.mkdtemp(prefix="jetspec_xla_cache_")
+  jax.config.update("jax_compilation_cache_dir", config._xla_cache_dir)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
+  jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def pytest_unconfigure(config):
+  shutil.rmtree(getattr(config, "_xla_cache_dir", ""), ignore_errors=True)
 
 
 @pytest.fixture(autouse=True, scope="module")
