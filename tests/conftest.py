@@ -24,9 +24,10 @@ def pytest_configure(config):
   """A compilation cache on disk for this session only. Many tests build fresh jitted closures of the
   same programs (a trainer run and its resumed half, a reference and a sharded run), and the in-memory
   caches are dropped after every module (below). Set before collection, so before the first compile
-  (jax decides once whether the cache is on), and in this process only: the multi-process tests'
-  children do not share it."""
+  (jax decides once whether the cache is on). The commands that tests run in child processes use it too
+  ($JETSPEC_COMPILATION_CACHE), instead of the user's ~/.cache/jetspec-jax/xla."""
   config._xla_cache_dir = tempfile.mkdtemp(prefix="jetspec_xla_cache_")
+  os.environ["JETSPEC_COMPILATION_CACHE"] = config._xla_cache_dir
   jax.config.update("jax_compilation_cache_dir", config._xla_cache_dir)
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
   jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)

@@ -83,3 +83,41 @@ def test_generate_takes_a_kernel_tuning_table(hf_dir, tmp_path, capsys, monkeypa
   path.write_text('{"rules": [{"max_rows": 4, "blockr": 16}]}')
   code, _, err = run(capsys, *argv, str(path))
   assert code == 2 and "unknown key(s) ['blockr']" in err
+
+
+def test_compilation_cache_directory_resolution(tmp_path):
+  """--compilation-cache, then $JETSPEC_COMPILATION_CACHE, then jax's own directory, then xla/ under the
+  demo's --workdir or $JETSPEC_CACHE; 'off' turns it off at either level."""
+  resolve = cli.compilation_cache_dir
+  flag, mine, jax_dir, work = (str(tmp_path / n) for n in ("flag", "env", "jax", "work"))
+  env = {cli.CACHE_ENV: mine}
+  assert resolve(flag, env, jax_dir, work) == flag
+  assert resolve(None, env, jax_dir, work) == mine
+  assert resolve(None, {}, jax_dir, work) == jax_dir
+  assert resolve(None, {}, None, work) == os.path.join(work, "xla")
+  assert resolve("off", env, jax_dir, work) is None and resolve(None, {cli.CACHE_ENV: "OFF"}, jax_dir, work) is None
+  assert resolve("~/c", {}, None, None) == os.path.join(os.path.expanduser("~"), "c")
+
+
+def test_a_rerun_loads_its_programs_from_the_compilation_cache(hf_dir, tmp_path):
+  """Two separate `generate` processes with one --compilation-cache: the first writes the compiled
+  programs, the second loads them (jax logs the hits) and gives the same tokens; an uncreatable
+  directory is one sentence and status 2."""
+  import subprocess
+  import sys
+  cache = tmp_path / "xla"
+  argv = [sys.executable, "-m", "jetspec_jax.cli", "generate", "--target", hf_dir("dense_tied", "float32"),
+          "--prompt-ids", "1,2,3", "--max-new-tokens", "4", "--eos-ids", "", "--json"]
+  env = dict(os.environ, JAX_LOG_COMPILES="1")
+  runs = [subprocess.run(argv + ["--compilation-cache", str(cache)], env=env, capture_output=True, text=True,
+                         timeout=300) for _ in range(2)]
+  assert all(r.returncode == 0 for r in runs), runs[-1].stderr[-2000:]
+  first, second = (json.loads(r.stdout) for r in runs)
+  assert first["compilation_cache"] == second["compilation_cache"] == str(cache) and any(cache.iterdir())
+  assert "Persistent compilation cache hit" not in runs[0].stderr
+  assert "Persistent compilation cache hit" in runs[1].stderr
+  assert first["token_ids"] == second["token_ids"]
+  (tmp_path / "file").write_text("x")
+  bad = subprocess.run(argv + ["--compilation-cache", str(tmp_path / "file" / "xla")], env=env,
+                       capture_output=True, text=True, timeout=300)
+  assert bad.returncode == 2 and "cannot create the compilation cache directory" in bad.stderr
