@@ -386,6 +386,24 @@ def profile_row(model: DecodeModel, budget: int | None, *, max_new: int, attn_im
     return trace_summary.summarize(tmp, phases=PHASES, rounds=max(rounds, 1), top=30, after=f"PjitFunction({loop})")
 
 
+def relate_to_unprofiled(profile_rows: list[dict], decode_rows: list[dict]) -> list[str]:
+  """While a profiler is attached, XLA runs its command buffers (CUDA graphs) one op at a time (unless
+  --xla_enable_command_buffers_during_profiling=true) and the tracer slows every launch, so a profiled
+  round's span overstates the gaps of a normal round; the kernels' own times hardly change. Adds to each
+  profiled mode the decode section's unprofiled time per round (same tokens, so the same rounds) and the
+  device's busy fraction of it. Returns a printable line per mode."""
+  unprofiled = {r["mode"]: r["ms_per_round"] for r in decode_rows if r.get("ms_per_round")}
+  lines = []
+  for row in profile_rows:
+    if "busy_us" in row and row["mode"] in unprofiled:
+      row["unprofiled_us"] = unprofiled[row["mode"]] * 1e3
+      row["busy_fraction_unprofiled"] = row["busy_us"] / row["unprofiled_us"]
+      lines.append(f"{row['mode']}: busy {row['busy_us'] / 1e3:.3f} ms of an unprofiled {row['unprofiled_us'] / 1e3:.3f} "
+                   f"ms round (busy fraction {row['busy_fraction_unprofiled']:.3f}; profiled span "
+                   f"{row['span_us'] / 1e3:.3f} ms)")
+  return lines
+
+
 def tune_section(*, smoke: bool, iters: int, reps: int, unroll: int, device_kind: str) -> dict:
   """``kernel_tune``'s sweep of launch configurations on Qwen3-8B attention shapes (2 configurations of one
   problem on the smoke shape); prints the fastest configuration per shape against the default and the tuning
@@ -520,6 +538,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nprofiled decode rounds ({args.profile_new_tokens} new tokens), per round, attention {impl}:")
     prows = profile_section(model, max_new=args.profile_new_tokens, attn_impl=impl,
                             budgets=tuple(int(b) for b in args.profile_budgets.split(",")))
+    if "decode" in report and args.profile_new_tokens == args.decode_new_tokens:
+      lines = relate_to_unprofiled(prows, report["decode"]["rows"])
+      print("\nthe same rounds without the profiler (decode section):\n" + "\n".join(lines))
     report["profile"] = dict(layers=args.decode_layers, attention=impl, new_tokens=args.profile_new_tokens,
                              phases=PHASES, rows=prows)
     failed += [r for r in prows if "error" in r]

@@ -42,6 +42,10 @@ def test_smoke_run_writes_every_section(gpu_check, tmp_path, monkeypatch):
   assert all("error" not in r and 0 < r["busy_us"] <= r["span_us"] and r["events"] > 0 and r["kernels"]
              for r in profile)
   assert [p["name"] for p in profile[1]["phases"]] == [*gpu_check.PHASES, "other"]
+  decode_ms = {r["mode"]: r["ms_per_round"] for r in report["decode"]["rows"]}
+  for r in profile:          # the decode section's unprofiled rounds (same tokens) set the busy fraction
+    assert r["unprofiled_us"] == pytest.approx(decode_ms[r["mode"]] * 1e3)
+    assert r["busy_fraction_unprofiled"] == pytest.approx(r["busy_us"] / r["unprofiled_us"])
   assert sorted(os.listdir(tmp_path / "traces")) == ["ar.json.gz", "tree_b16.json.gz"]
   phases = report["phases"]["rows"]
   assert [r["phase"] for r in phases] == ["ar_forward", "verify_b16", "draft", "tree_heap_b16", "tree_best_b16"]
