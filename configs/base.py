@@ -62,3 +62,18 @@ def base_config() -> ml_collections.ConfigDict:
   c.log_every = 10
   c.export_dtype = "bfloat16"
   return c
+
+
+def scale_schedule(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """The schedule of the multi-GPU configs (Qwen3-8B, Qwen3-30B-A3B): sequences of 3072 tokens (the public
+  DFlash recipe), 512 anchors per sequence in chunks of 32, a global batch of 32 sequences x 2 accumulation
+  steps, 60k steps, a checkpoint every 1000 steps and an evaluation every 2000."""
+  c.data.seq_len = 3072
+  c.train.steps = 60000
+  c.train.batch_size = 32
+  c.train.grad_accum = 2
+  c.train.num_anchors = 512
+  c.train.chunk_anchors = 32
+  c.checkpoint.every = 1000
+  c.eval.every = 2000
+  return c

@@ -1,23 +1,15 @@
 """Qwen3-30B-A3B MoE target (48 layers, hidden 2048): the published 8-layer head (MLP 6144, 32/4
 heads), block 16, taps [1, 12, 23, 34, 45]; 8 GPUs per host with the model axis over 4."""
-from configs.base import base_config
+from configs.base import base_config, scale_schedule
 
 
 def get_config():
-  c = base_config()
+  c = scale_schedule(base_config())
   c.output_dir = "runs/qwen3_30b_a3b"
   c.head.num_layers = 8
   c.head.block_size = 16
   c.head.intermediate_size = 6144
   c.head.target_layer_ids = (1, 12, 23, 34, 45)
-  c.data.seq_len = 3072
-  c.train.steps = 60000
-  c.train.batch_size = 32
-  c.train.grad_accum = 2
-  c.train.num_anchors = 512
-  c.train.chunk_anchors = 32
   c.mesh.data = 2
   c.mesh.model = 4
-  c.checkpoint.every = 1000
-  c.eval.every = 2000
   return c

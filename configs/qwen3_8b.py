@@ -1,22 +1,14 @@
 """Qwen3-8B target (36 layers): the published 5-layer head, block 16, taps [1, 9, 17, 25, 33].
 Sequence 3072, 512 anchors; sharded over 8 x H100/H200 (data 4 x model 2) per host."""
-from configs.base import base_config
+from configs.base import base_config, scale_schedule
 
 
 def get_config():
-  c = base_config()
+  c = scale_schedule(base_config())
   c.output_dir = "runs/qwen3_8b"
   c.head.num_layers = 5
   c.head.block_size = 16
   c.head.target_layer_ids = (1, 9, 17, 25, 33)
-  c.data.seq_len = 3072
-  c.train.steps = 60000
-  c.train.batch_size = 32
-  c.train.grad_accum = 2
-  c.train.num_anchors = 512
-  c.train.chunk_anchors = 32
   c.mesh.data = 4
   c.mesh.model = 2
-  c.checkpoint.every = 1000
-  c.eval.every = 2000
   return c
