@@ -406,17 +406,19 @@ def relate_to_unprofiled(profile_rows: list[dict], decode_rows: list[dict]) -> l
   return lines
 
 
-def tune_section(*, smoke: bool, iters: int, reps: int, unroll: int, device_kind: str) -> dict:
+def tune_section(*, smoke: bool, iters: int, reps: int, unroll: int, device_kind: str, minutes: float = math.inf) -> dict:
   """``kernel_tune``'s sweep of launch configurations on Qwen3-8B attention shapes (2 configurations of one
   problem on the smoke shape); prints the fastest configuration per shape against the default and the tuning
-  table the sweep gives. Configurations that are illegal for a shape are recorded, not failures of the run."""
+  table the sweep gives. Configurations that are illegal for a shape are recorded, not failures of the run.
+  The sweep stops starting timings after ``minutes`` (or the run's budget), so the model sections keep theirs."""
   shape = SMOKE if smoke else QWEN3_8B
+  own = Deadline(60 * minutes)
   sweep = dict(shapes=((5, 3),), configs=kernel_tune.CONFIGS[:1] + kernel_tune.CONFIGS[-1:]) if smoke else {}
   result = kernel_tune.tune_section(
       lambda n, prefix: make_inputs(shape, n, prefix, seed=n + prefix),
       lambda fn, args: loop_seconds(fn, args, iters=max(iters // 4, 1), reps=reps, unroll=unroll),
       group=shape.num_q_heads // shape.num_kv_heads, interpret=smoke, device_kind=device_kind,
-      expired=DEADLINE.passed, **sweep)
+      expired=lambda: DEADLINE.passed() or own.passed(), **sweep)
   print(f"\nkernel launch configurations, {shape}, fastest per shape (us; default {kernel_tune.DEFAULT}):")
   print(format_table(result["best"]))
   print(f"tuning table from the sweep (max_rows = group x N): {json.dumps(result['table'])}")
@@ -464,6 +466,9 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--skip-decode", action="store_true")
   parser.add_argument("--skip-phases", action="store_true")
   parser.add_argument("--skip-tune", action="store_true", help="skip the kernel's tile-size sweep")
+  parser.add_argument("--tune-minutes", type=float, default=2.5,
+                      help="the sweep's own budget within --minutes: timings that would start later are skipped, "
+                           "so the model sections keep their time (default 2.5)")
   parser.add_argument("--keep-tuning", action="store_true",
                       help="the model sections keep the active tuning table instead of the sweep's")
   parser.add_argument("--profile-budgets", default="16,128")
@@ -504,7 +509,7 @@ def main(argv: list[str] | None = None) -> int:
   write_report(report)                      # the kernel rows survive a failure or time-out below
   if not args.skip_tune:
     report["tune"] = tune_section(smoke=args.smoke, iters=args.iters, reps=args.reps, unroll=args.unroll,
-                                  device_kind=device.device_kind)
+                                  device_kind=device.device_kind, minutes=args.tune_minutes)
     if report["tune"]["table"] and not args.keep_tuning:
       report["tune"]["applied"] = apply_tuning(report["tune"]["table"])
       print(f"the model sections below use this table ({report['tune']['applied']})")

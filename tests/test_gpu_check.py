@@ -62,11 +62,15 @@ def test_smoke_run_writes_every_section(gpu_check, tmp_path, monkeypatch):
 
 
 def test_a_failing_shape_is_recorded_and_fails_the_run(gpu_check, tmp_path, monkeypatch):
+  """Also: --tune-minutes bounds the sweep alone (its timings are skipped, no table is applied)."""
   monkeypatch.setenv("OUT", str(tmp_path))
-  assert gpu_check.main(["--smoke", "--skip-phases", "--skip-decode", "--skip-profile", "--skip-tune",
+  assert gpu_check.main(["--smoke", "--skip-phases", "--skip-decode", "--skip-profile", "--tune-minutes", "0",
                          "--block-k", "48"]) == 1
-  rows = json.loads((tmp_path / "gpu_check.json").read_text())["kernel"]["rows"]
+  report = json.loads((tmp_path / "gpu_check.json").read_text())
+  rows = report["kernel"]["rows"]
   assert len(rows) == 4 and all("block_k=48" in r["error"] for r in rows)
+  assert all("skipped" in r for r in report["tune"]["rows"]) and report["tune"]["table"] is None
+  assert "applied" not in report["tune"]
 
 
 def test_an_illegal_tuning_config_is_recorded_not_raised(gpu_check):
@@ -106,3 +110,4 @@ def test_rows_after_the_time_budget_are_skipped_not_failed(gpu_check, tmp_path, 
   assert all("skipped" in r for r in report["tune"]["rows"]) and report["tune"]["table"] is None
   assert report["phases"] == report["decode"] == dict(skipped=gpu_check.SKIPPED) and "profile" not in report
   assert "8 rows or sections skipped" in capsys.readouterr().out          # 4 kernel + 2 tune rows, 2 sections
+
