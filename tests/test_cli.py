@@ -99,6 +99,16 @@ def test_compilation_cache_directory_resolution(tmp_path):
   assert resolve("~/c", {}, None, None) == os.path.join(os.path.expanduser("~"), "c")
 
 
+def test_an_uncreatable_default_cache_warns_and_an_asked_for_one_is_an_error(tmp_path, capsys):
+  (tmp_path / "file").write_text("x")
+  blocked = str(tmp_path / "file" / "xla")
+  assert cli.usable_cache_dir(blocked, asked=False) is None
+  assert "compiling without a cache" in capsys.readouterr().err
+  with pytest.raises(cli.JetSpecError, match="cannot create the compilation cache directory"):
+    cli.usable_cache_dir(blocked, asked=True)
+  assert cli.usable_cache_dir(str(tmp_path / "new" / "xla"), asked=True) == str(tmp_path / "new" / "xla")
+
+
 def test_a_rerun_loads_its_programs_from_the_compilation_cache(hf_dir, tmp_path):
   """Two separate `generate` processes with one --compilation-cache: the first writes the compiled
   programs, the second loads them (jax logs the hits) and gives the same tokens; an uncreatable
