@@ -56,7 +56,8 @@ def compilation_cache_dir(flag: str | None, env: dict, jax_dir: str | None, work
 
 def usable_cache_dir(path: str, asked: bool) -> str | None:
   """``path`` once it exists as a directory. When it cannot be created: an error if the user ``asked`` for
-  it (flag or $JETSPEC_COMPILATION_CACHE), else a warning on stderr and None (the run compiles as usual)."""
+  it (the flag, $JETSPEC_COMPILATION_CACHE or $JAX_COMPILATION_CACHE_DIR), else a warning on stderr and None
+  (the run compiles as usual)."""
   try:
     os.makedirs(path, exist_ok=True)
     return path
