@@ -83,9 +83,16 @@ def _enable_compilation_cache(args) -> str | None:
     jax.config.update("jax_enable_compilation_cache", False)
     return None
   if path != jax_dir:
-    jax.config.update("jax_compilation_cache_dir", path)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", CACHE_MIN_COMPILE_S)
+    use_compilation_cache(path)
   return path
+
+
+def use_compilation_cache(path: str) -> None:
+  """Makes ``path`` jax's persistent compilation cache for programs that take CACHE_MIN_COMPILE_S or more to
+  compile. Takes effect only before the process's first compile (jax decides once whether the cache is on)."""
+  import jax
+  jax.config.update("jax_compilation_cache_dir", path)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", CACHE_MIN_COMPILE_S)
 
 
 def _emit(args, result: dict, human: str) -> None:

@@ -26,11 +26,10 @@ def pytest_configure(config):
   caches are dropped after every module (below). Set before collection, so before the first compile
   (jax decides once whether the cache is on). The commands that tests run in child processes use it too
   ($JETSPEC_COMPILATION_CACHE), instead of the user's ~/.cache/jetspec-jax/xla."""
+  from jetspec_jax import cli
   config._xla_cache_dir = tempfile.mkdtemp(prefix="jetspec_xla_cache_")
-  os.environ["JETSPEC_COMPILATION_CACHE"] = config._xla_cache_dir
-  jax.config.update("jax_compilation_cache_dir", config._xla_cache_dir)
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
-  jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+  os.environ[cli.CACHE_ENV] = config._xla_cache_dir
+  cli.use_compilation_cache(config._xla_cache_dir)
 
 
 def pytest_unconfigure(config):
