@@ -1,7 +1,8 @@
 """Qwen3 (dense and MoE) configuration, read from and written to Hugging Face ``config.json``.
 
 ``Qwen3Config`` is a frozen, hashable dataclass so it can be a static argument of ``jax.jit``.
-The original ``config.json`` dict is kept beside it (``hf_dict``) so export writes it back unchanged.
+Reading accepts transformers 4 and 5 spellings; written dicts carry both (``versioned_keys``), so
+transformers 4.x and 5.x build the same model from them.
 """
 from __future__ import annotations
 
@@ -14,6 +15,13 @@ from jetspec_jax.errors import JetSpecError
 
 SUPPORTED_ARCHITECTURES = {"Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe"}
 DTYPES = ("float32", "bfloat16", "float16")
+
+
+def versioned_keys(rope_theta: float, dtype: str) -> dict[str, Any]:
+  """The RoPE and dtype keys in both spellings: transformers 5 reads ``rope_parameters`` and ``dtype``;
+  4.x reads ``rope_theta`` (it ignores ``rope_parameters`` and would use theta 10000) and ``torch_dtype``."""
+  return {"rope_parameters": {"rope_theta": rope_theta, "rope_type": "default"}, "rope_theta": rope_theta,
+          "dtype": dtype, "torch_dtype": dtype}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,7 +123,8 @@ class Qwen3Config:
     return cfg
 
   def to_hf_dict(self, dtype: str = "float32") -> dict[str, Any]:
-    """A Hugging Face config dict (transformers 5 style) for this configuration."""
+    """A Hugging Face config dict for this configuration, read alike by transformers 4.x and 5.x (MoE
+    keys in the 4.x spelling ``num_experts``, which 5.x maps to ``num_local_experts``)."""
     d: dict[str, Any] = {
         "architectures": [self.architecture],
         "model_type": "qwen3_moe" if self.num_experts else "qwen3",
@@ -124,10 +133,8 @@ class Qwen3Config:
         "num_attention_heads": self.num_attention_heads,
         "num_key_value_heads": self.num_key_value_heads, "head_dim": self.head_dim,
         "hidden_act": "silu", "rms_norm_eps": self.rms_norm_eps,
-        "rope_parameters": {"rope_theta": self.rope_theta, "rope_type": "default"},
-        "tie_word_embeddings": self.tie_word_embeddings,
-        "max_position_embeddings": self.max_position_embeddings,
-        "attention_bias": False, "use_sliding_window": False, "dtype": dtype,
+        **versioned_keys(self.rope_theta, dtype), "tie_word_embeddings": self.tie_word_embeddings,
+        "max_position_embeddings": self.max_position_embeddings, "attention_bias": False, "use_sliding_window": False,
         "bos_token_id": self.bos_token_id, "pad_token_id": self.pad_token_id,
         "eos_token_id": (list(self.eos_token_ids) if len(self.eos_token_ids) != 1
                          else self.eos_token_ids[0]) if self.eos_token_ids else None,

@@ -5,11 +5,13 @@ encodes) with the ``tokenizers`` library and saves it as a Hugging Face tokenize
 Qwen3's special tokens (``<|endoftext|>`` pad, ``<|im_start|>``, ``<|im_end|>`` eos, ``<think>`` /
 ``</think>`` as non-special added tokens) plus ``<|MASK|>`` (``tokenizer.mask_token``, the draft
 head's mask id), after the BPE vocabulary as in Qwen3, and a chat template with Qwen3's layout.
+The saved ``tokenizer_config.json`` loads alike in transformers 4.x and 5.x (``hf4_tokenizer_config``).
 """
 from __future__ import annotations
 
+import json
 import os
-from typing import Iterable
+from typing import Any, Iterable
 
 from jetspec_jax.errors import JetSpecError
 
@@ -86,7 +88,26 @@ def train_chat_tokenizer(texts: Iterable[str], vocab_size: int, out_dir: str, *,
   hf.chat_template = CHAT_TEMPLATE
   os.makedirs(out_dir, exist_ok=True)
   hf.save_pretrained(out_dir)
+  path = os.path.join(out_dir, "tokenizer_config.json")
+  with open(path, encoding="utf-8") as f:
+    config = hf4_tokenizer_config(json.load(f))
+  with open(path + ".tmp", "w", encoding="utf-8") as f:
+    f.write(json.dumps(config, indent=2, sort_keys=True, ensure_ascii=False) + "\n")    # as save_pretrained
+  os.replace(path + ".tmp", path)
   return out_dir
+
+
+def hf4_tokenizer_config(config: dict[str, Any]) -> dict[str, Any]:
+  """A transformers 5 ``tokenizer_config.json`` dict that transformers 4.x loads too, with the same
+  tokens and ids: 4.x knows no class ``TokenizersBackend`` (5.x maps ``PreTrainedTokenizerFast`` to it)
+  and takes extra special tokens as the list ``additional_special_tokens`` (a list-valued
+  ``extra_special_tokens`` fails there; 5.x reads either). Other keys are kept as they are."""
+  config = dict(config)
+  if config.get("tokenizer_class") == "TokenizersBackend":
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"
+  if isinstance(config.get("extra_special_tokens"), list):
+    config["additional_special_tokens"] = config.pop("extra_special_tokens")
+  return config
 
 
 def load_tokenizer(path: str):

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from jetspec_jax.attention import attention
-from jetspec_jax.config import Qwen3Config
+from jetspec_jax.config import Qwen3Config, versioned_keys
 from jetspec_jax.errors import JetSpecError
 from jetspec_jax.models import qwen3
 from jetspec_jax.models.layers import (ParamSpec, attention_specs, decoder_layer, dense_mlp, dense_mlp_specs, init_params,
@@ -95,15 +95,14 @@ class DraftConfig:
         raise JetSpecError(f"mask_token_id {self.mask_token_id} is outside the target vocabulary")
 
   def to_hf_dict(self, dtype: str = "bfloat16") -> dict[str, Any]:
-    """The config.json of a published JetSpec / DFlash head."""
+    """The config.json of a published JetSpec / DFlash head (a Qwen3 config to transformers 4.x and 5.x)."""
     return {
         "architectures": ["DFlashDraftModel"], "model_type": "qwen3",
         "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
         "num_hidden_layers": self.num_hidden_layers, "num_attention_heads": self.num_attention_heads,
         "num_key_value_heads": self.num_key_value_heads, "head_dim": self.head_dim,
         "hidden_act": "silu", "rms_norm_eps": self.rms_norm_eps, "vocab_size": self.vocab_size,
-        "rope_parameters": {"rope_theta": self.rope_theta, "rope_type": "default"}, "rope_theta": self.rope_theta,
-        "attention_bias": False, "tie_word_embeddings": False, "dtype": dtype,
+        **versioned_keys(self.rope_theta, dtype), "attention_bias": False, "tie_word_embeddings": False,
         "block_size": self.block_size, "num_target_layers": self.num_target_layers,
         "dflash_config": {"causal_head": self.causal, "target_layer_ids": list(self.target_layer_ids),
                           "mask_token_id": self.mask_token_id, "target_hidden_size": self.target_hidden_size},
