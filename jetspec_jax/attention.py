@@ -31,7 +31,16 @@ def resolve_implementation(name: str | None) -> str:
     return "pallas" if jax.default_backend() == "gpu" else "xla"
   if name not in IMPLEMENTATIONS:
     raise JetSpecError(f"unknown attention implementation {name!r}; choose auto or one of {', '.join(IMPLEMENTATIONS)}")
+  check_available(name)
   return name
+
+
+def check_available(impl: str) -> None:
+  """The compiled kernel (``pallas``) runs only on a GPU; say so instead of failing inside Pallas."""
+  backend = jax.default_backend()
+  if impl == "pallas" and backend != "gpu":
+    raise JetSpecError(f"the pallas attention kernel needs a GPU but jax's backend is {backend}; use "
+                       f"pallas_interpret (the same kernel in interpret mode on {backend}, slow) or xla")
 
 
 def visible_keys(prefix_len: jax.Array, block_mask: jax.Array, cache_len: int) -> jax.Array:
@@ -88,6 +97,7 @@ def attention(q, k_cache, v_cache, prefix_len, block_mask, *, impl: str = "xla",
     return xla_attention(q, k_cache, v_cache, prefix_len, block_mask, sm_scale=sm_scale)
   if impl not in ("pallas", "pallas_interpret"):
     raise JetSpecError(f"unknown attention implementation {impl!r}; choose one of {', '.join(IMPLEMENTATIONS)}")
+  check_available(impl)
   from pallas_kernels import tree_attention as kernel
   fn = functools.partial(kernel.tree_attention, sm_scale=sm_scale, interpret=impl == "pallas_interpret")
   if mesh is not None and mesh.size > 1:

@@ -111,16 +111,21 @@ def run(target_params, cfg, head_params, head_cfg, prompts: Sequence[Sequence[in
   (see module doc). Tree modes are named ``<prefix>_b<budget>`` (``MODE_PREFIX``: tree_b16 is accum_logp)."""
   from jetspec_jax.decode.loop import generate_ar
   from jetspec_jax.decode.speculative import TreeConfig, generate_speculative
-  depth = depth or head_cfg.depth
+  depth = head_cfg.depth if depth is None else depth
   prompts = [list(p) for p in prompts]
+  if batch_size > len(prompts):
+    raise JetSpecError(f"batch size {batch_size} exceeds the {len(prompts)} prompt(s) found; lower --batch-size "
+                       f"or raise --num-prompts")
+  trees = [("chain", TreeConfig("chain", 1, 1, depth))] + [
+      (f"{MODE_PREFIX[method]}_b{b}", TreeConfig(method, b, width, depth)) for method in methods for b in budgets]
+  for _, tree in trees:         # before AR is timed, not after
+    tree.validate(head_cfg)
   modes: dict[str, dict] = {}
   progress(f"AR ({len(prompts)} prompts x {max_new_tokens} tokens)")
   ar = time_mode(lambda b: generate_ar(target_params, cfg, b, max_new_tokens=max_new_tokens, eos_ids=eos_ids,
                                        attn_impl=attn_impl), prompts, batch_size, repeats)
   ar_tokens = [t for o in ar.pop("outputs") for t in o["token_ids"]]
   modes["ar"] = ar | {"tau": 1.0}
-  trees = [("chain", TreeConfig("chain", 1, 1, depth))] + [
-      (f"{MODE_PREFIX[method]}_b{b}", TreeConfig(method, b, width, depth)) for method in methods for b in budgets]
   for name, tree in trees:
     progress(f"{name} ({tree.method}, budget {tree.num_nodes()} nodes, width {tree.width}, depth {tree.depth})")
     res = time_mode(lambda b, t=tree: generate_speculative(target_params, cfg, head_params, head_cfg, b,

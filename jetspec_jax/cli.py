@@ -122,13 +122,13 @@ def cmd_export(args) -> dict:
   return res
 
 
-def _parse_ids(text: str) -> list[int]:
+def _parse_ids(text: str, flag: str = "--prompt-ids") -> list[int]:
   try:
     ids = [int(t) for t in text.replace(" ", "").split(",") if t]
   except ValueError:
-    raise JetSpecError(f"--prompt-ids must be comma-separated integers, got {text!r}") from None
+    raise JetSpecError(f"{flag} must be comma-separated integers, got {text!r}") from None
   if not ids:
-    raise JetSpecError("--prompt-ids is empty")
+    raise JetSpecError(f"{flag} is empty")
   return ids
 
 
@@ -173,10 +173,10 @@ def cmd_generate(args) -> dict:
       ids = tokenizer.encode(args.prompt)
   else:
     ids = _parse_ids(args.prompt_ids)
-  eos = None if args.eos_ids is None else ([] if args.eos_ids == "" else _parse_ids(args.eos_ids))
+  eos = None if args.eos_ids is None else ([] if args.eos_ids == "" else _parse_ids(args.eos_ids, "--eos-ids"))
   if args.head:
     head_cfg, head_params = load_head(args.head, dtype, mesh, target_cfg=cfg)
-    tree = TreeConfig(args.tree, args.budget, args.width, args.depth or head_cfg.depth)
+    tree = TreeConfig(args.tree, args.budget, args.width, head_cfg.depth if args.depth is None else args.depth)
     out = generate_speculative(params, cfg, head_params, head_cfg, [ids], max_new_tokens=args.max_new_tokens,
                                tree_cfg=tree, eos_ids=eos, attn_impl=impl, mesh=mesh, temperature=args.temperature,
                                top_k=args.top_k, top_p=args.top_p, accept=args.accept, seed=args.seed)
@@ -235,12 +235,17 @@ def cmd_regenerate(args) -> dict:
 def cmd_bench(args) -> dict:
   from jetspec_jax import bench
   from jetspec_jax.convert import load_head, load_target
+  for flag, value in (("--num-prompts", args.num_prompts), ("--prompt-len", args.prompt_len),
+                      ("--max-new-tokens", args.max_new_tokens), ("--batch-size", args.batch_size),
+                      ("--repeats", args.repeats)):
+    if value < 1:
+      raise JetSpecError(f"{flag} must be at least 1, got {value}")
+  budgets = _parse_ids(args.budgets, "--budgets")
   impl = _attention(args)
   mesh = _mesh(args)
   cfg, params, side = load_target(args.target, _dtype(args.dtype), mesh)
   head_cfg, head_params = load_head(args.head, _dtype(args.dtype), mesh, target_cfg=cfg)
   tokenizer = _load_tokenizer(side)
-  budgets = _parse_ids(args.budgets)
   say = (lambda *a: None) if args.json else (lambda m: print(f"  {m}", file=sys.stderr, flush=True))
   results = {}
   for bank in args.bank:

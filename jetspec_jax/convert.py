@@ -20,7 +20,7 @@ from typing import Callable, Iterator, Sequence
 
 import jax
 import numpy as np
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from jetspec_jax.checkpoint import atomic_directory, check_output_dir, restore_params, save_params
 from jetspec_jax.config import Qwen3Config, load_hf_config, read_json
@@ -103,6 +103,20 @@ def target_mappings(cfg: Qwen3Config) -> list[Mapping]:
   return table
 
 
+_LOADABLE_DTYPES = ("F64", "F32", "BF16", "F16")     # safetensors names of the float weights numpy reads
+
+
+def _open_safetensors(path: str):
+  """``safe_open`` (numpy), with a truncated, corrupt or unreadable file stated in one sentence."""
+  try:
+    return safe_open(path, "numpy")
+  except SafetensorError as e:        # safetensors checks the header and that the tensors cover the file here
+    reason = str(e).removeprefix("Error while deserializing header: ")
+    raise JetSpecError(f"{path} is truncated or corrupt ({reason}); download or export it again") from None
+  except OSError as e:
+    raise JetSpecError(f"cannot read {path} ({e})") from None
+
+
 class SafetensorsReader:
   """Reads tensors by key from the (sharded) safetensors of a directory, lazily, one at a time."""
 
@@ -122,21 +136,23 @@ class SafetensorsReader:
         raise JetSpecError(f"no *.safetensors weights found in {model_dir}")
       self.files = {}
       for path in paths:
-        with safe_open(path, "numpy") as f:
+        with _open_safetensors(path) as f:
           self.files.update({k: path for k in f.keys()})
 
   def get(self, key: str) -> np.ndarray:
     if key not in self.files:
       raise JetSpecError(f"weight {key} is missing from the safetensors files")
     path = self.files[key]
-    try:
-      # Open, read, close: a handle kept open keeps every page read through its mapping resident,
-      # which doubles peak host memory over a whole-model load.
-      with safe_open(path, "numpy") as f:
-        return f.get_tensor(key)
-    except Exception as e:   # safetensors raises its own error type for a key the file lacks
-      raise JetSpecError(f"{os.path.basename(path)} does not contain {key}, although the index maps it there "
-                         f"({type(e).__name__})") from None
+    # Open, read, close: a handle kept open keeps every page read through its mapping resident,
+    # which doubles peak host memory over a whole-model load.
+    with _open_safetensors(path) as f:
+      if key not in f.keys():
+        raise JetSpecError(f"{os.path.basename(path)} does not contain {key}, although the index maps it there")
+      stored = f.get_slice(key).get_dtype()
+      if stored not in _LOADABLE_DTYPES:
+        raise JetSpecError(f"{key} in {path} is stored as {stored}, which cannot be loaded; use a float32, "
+                           f"bfloat16 or float16 checkpoint")
+      return f.get_tensor(key)
 
   def keys(self) -> set[str]:
     return set(self.files)
