@@ -48,6 +48,9 @@ class Qwen3Config:
   eos_token_ids: tuple[int, ...] = ()
   bos_token_id: int | None = None
   pad_token_id: int | None = None
+  # Runtime layout, not a property of the checkpoint (never read from or written to config.json):
+  # split the MoE experts over the mesh's ``model`` axis instead of their MLP width.
+  expert_parallel: bool = False
 
   @property
   def architecture(self) -> str:

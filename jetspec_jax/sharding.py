@@ -1,6 +1,7 @@
 """Device meshes and the logical-axis rules that map every declared weight onto them.
 
-Mesh axes: ``data`` (batch) and ``model`` (tensor parallel: heads, MLP, vocabulary).
+Mesh axes: ``data`` (batch) and ``model`` (tensor parallel: heads, MLP, vocabulary; whole MoE experts
+under expert parallelism).
 Each weight declares logical axis names (see ``models.qwen3.param_specs``); ``RULES`` maps a
 logical name to a mesh axis. A dimension the mesh axis does not divide is replicated when the
 logical axis is in ``REPLICATE_IF_INDIVISIBLE`` (KV heads, vocabulary, batch) and is an error
@@ -26,13 +27,14 @@ RULES: dict[str, str | None] = {
     "head_dim": None,
     "mlp": "model",
     "experts": None,
+    "expert_shards": "model",   # the experts' axis under expert parallelism (Qwen3Config.expert_parallel)
     "norm": None,
     "seq": None,
     "features": None,
 }
 REPLICATE_IF_INDIVISIBLE = frozenset({"kv_heads", "vocab", "batch"})
 _NAMES = {"q_heads": "num_attention_heads", "kv_heads": "num_key_value_heads", "mlp": "the MLP width",
-          "vocab": "vocab_size", "batch": "the batch size"}
+          "vocab": "vocab_size", "batch": "the batch size", "expert_shards": "num_experts"}
 
 
 def make_mesh(data: int = 1, model: int = 1, devices: Sequence[jax.Device] | None = None) -> Mesh:

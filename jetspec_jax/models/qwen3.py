@@ -20,6 +20,7 @@ from jetspec_jax.attention import attention
 from jetspec_jax.config import Qwen3Config
 from jetspec_jax.models.layers import (ParamSpec, attention_specs, decoder_layer, dense_mlp, dense_mlp_specs, init_params,
                                        rms_norm, write_rows)
+from jetspec_jax.models.moe import moe_mlp, moe_specs
 from jetspec_jax.sharding import shard
 
 
@@ -34,13 +35,7 @@ def param_specs(cfg: Qwen3Config) -> dict[str, ParamSpec]:
     pre = f"layers.{i}."
     specs.update(attention_specs(pre, h, nq, nkv, dh))
     if cfg.is_moe_layer(i):
-      e, mi = cfg.num_experts, cfg.moe_intermediate_size
-      specs.update({
-          pre + "router": ParamSpec((h, e), ("embed", "experts")),
-          pre + "experts.gate": ParamSpec((e, h, mi), ("experts", "embed", "mlp")),
-          pre + "experts.up": ParamSpec((e, h, mi), ("experts", "embed", "mlp")),
-          pre + "experts.down": ParamSpec((e, mi, h), ("experts", "mlp", "embed")),
-      })
+      specs.update(moe_specs(pre, cfg))
     else:
       specs.update(dense_mlp_specs(pre, h, cfg.intermediate_size))
   return specs
@@ -76,30 +71,6 @@ def init_cache(cfg: Qwen3Config, batch: int, max_len: int, dtype, mesh=None) -> 
   return zero_cache(cfg.num_hidden_layers, (batch, cfg.num_key_value_heads, max_len, cfg.head_dim), dtype, mesh)
 
 
-def moe_mlp(x: jax.Array, params: dict, pre: str, cfg: Qwen3Config) -> jax.Array:
-  """Sparse MoE as transformers: float32 softmax router over all experts, top-k,
-  renormalised only with norm_topk_prob; experts run as grouped matmuls (ragged_dot). x [B,T,H]."""
-  b, t, h = x.shape
-  tokens = x.reshape(b * t, h)
-  logits = tokens @ params[pre + "router"]
-  probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
-  top_w, top_i = jax.lax.top_k(probs, cfg.num_experts_per_tok)             # [M, k]
-  if cfg.norm_topk_prob:
-    top_w = top_w / jnp.sum(top_w, axis=-1, keepdims=True)
-  top_w = top_w.astype(x.dtype)
-  flat_expert = top_i.reshape(-1)                                          # [M*k]
-  order = jnp.argsort(flat_expert, stable=True)
-  token_of = order // cfg.num_experts_per_tok
-  group_sizes = jnp.bincount(flat_expert, length=cfg.num_experts).astype(jnp.int32)
-  xs = tokens[token_of]                                                    # [M*k, H] sorted by expert
-  gate = jax.lax.ragged_dot(xs, params[pre + "experts.gate"], group_sizes)
-  up = jax.lax.ragged_dot(xs, params[pre + "experts.up"], group_sizes)
-  out = jax.lax.ragged_dot(jax.nn.silu(gate) * up, params[pre + "experts.down"], group_sizes)
-  out = out * top_w.reshape(-1)[order][:, None]
-  combined = jnp.zeros((b * t, h), out.dtype).at[token_of].add(out)
-  return combined.reshape(b, t, h)
-
-
 def forward(params: dict, cfg: Qwen3Config, tokens: jax.Array, positions: jax.Array, cache: KVCache,
             prefix_len: jax.Array, block_mask: jax.Array, *, tap_layers: tuple[int, ...] = (),
             attn_impl: str = "xla", mesh=None, logits_rows: jax.Array | None = None,
@@ -128,7 +99,7 @@ def forward(params: dict, cfg: Qwen3Config, tokens: jax.Array, positions: jax.Ar
       new_v.append(v_cache)
       return attention(q, k_cache, v_cache, prefix_len, block_mask, impl=attn_impl, mesh=mesh)
 
-    mlp = (lambda h, pre=pre: moe_mlp(h, p, pre, cfg)) if cfg.is_moe_layer(i) else dense_mlp(weight)
+    mlp = (lambda h, pre=pre: moe_mlp(h, p, pre, cfg, mesh)) if cfg.is_moe_layer(i) else dense_mlp(weight)
     x = decoder_layer(x, weight, attend, mlp, num_heads=cfg.num_attention_heads,
                       num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, eps=cfg.rms_norm_eps,
                       theta=cfg.rope_theta, positions=positions)

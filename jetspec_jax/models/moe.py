@@ -1,0 +1,139 @@
+"""Qwen3-MoE expert dispatch: routing, grouping by expert, and a tiled grouped matmul in plain XLA.
+
+Every MoE forward (prefill, tree verification, AR decode, training's frozen target) goes through
+``moe_mlp``. Routing is transformers': float32 softmax over all E experts, top-k, renormalised only
+with ``norm_topk_prob``. The N = M*k (token, expert) pairs are sorted by expert, each expert's group
+is padded up to a multiple of the row tile T, and a loop over the tiles of a static buffer of
+C = round_up(N + min(E, N) * (T - 1), T) rows (an upper bound on the padded rows: no token is ever
+dropped) runs one [T, H] x [H, I] SwiGLU per tile against its expert's weights, read in place.
+
+Cost bound (static shapes): FLOPs <= C * 6HI <= N * 6HI + min(E, N) * T * 6HI + T * 6HI, i.e. the
+routed work plus one tile per expert; tiles past the used ones are skipped at run time. The largest
+temporaries are the [M, E] router probabilities, [C] slot indices and one tile's [T, I] activations;
+no [E, rows] array and no copy of the expert weights is formed. With T = 1 (few tokens, e.g.
+batch-1 decode) C = N and only the k routed experts' weights are read per token.
+
+Under a (data, model) mesh the layer runs in ``jax.shard_map``: each data shard routes and
+dispatches its own tokens (no routing crosses the data axis); the experts' weights stay where their
+``ParamSpec`` puts them and one psum over ``model`` combines the partial outputs (tensor parallel:
+each device holds I/m of every expert; expert parallel, ``cfg.expert_parallel``: E/m whole experts,
+each device computes its local experts' share of its data shard's tokens).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jetspec_jax.config import Qwen3Config
+from jetspec_jax.models.layers import ParamSpec, swiglu
+from jetspec_jax.sharding import logical_to_spec
+
+MAX_TILE = 128
+WEIGHTS = ("gate", "up", "down")
+
+
+def moe_specs(pre: str, cfg: Qwen3Config) -> dict[str, ParamSpec]:
+  """Router [H, E] and stacked expert weights gate/up [E, H, I], down [E, I, H] of one layer.
+  The experts' axis is ``expert_shards`` (split over ``model``) under expert parallelism, else the
+  ``mlp`` axis is (tensor parallel)."""
+  h, e, mi = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
+  ex = "expert_shards" if cfg.expert_parallel else "experts"
+  return {pre + "router": ParamSpec((h, e), ("embed", "experts")),
+          pre + "experts.gate": ParamSpec((e, h, mi), (ex, "embed", "mlp")),
+          pre + "experts.up": ParamSpec((e, h, mi), (ex, "embed", "mlp")),
+          pre + "experts.down": ParamSpec((e, mi, h), (ex, "mlp", "embed"))}
+
+
+def tile_rows(num_rows: int, num_experts: int) -> int:
+  """Static row tile T for ``num_rows`` routed rows over ``num_experts`` experts: the average group
+  size rounded up to a power of two, in [1, MAX_TILE]. A typical expert then needs one or two tiles
+  (each tile reads its expert's weights once: fewer, fuller tiles beat less padding on CPU), and
+  T = 1 (no padding) up to E rows."""
+  return min(MAX_TILE, 1 << max(0, -(-num_rows // num_experts) - 1).bit_length())
+
+
+def capacity(num_rows: int, num_experts: int, tile: int) -> int:
+  """Static padded-row bound C: every expert's group rounded up to ``tile`` fits, rounded to a tile."""
+  bound = num_rows + min(num_experts, num_rows) * (tile - 1)
+  return -(-bound // tile) * tile
+
+
+def route(tokens: jax.Array, router: jax.Array, top_k: int, norm_topk_prob: bool):
+  """tokens [M, H], router [H, E] -> (weights [M, k] in tokens' dtype, experts [M, k] int32)."""
+  probs = jax.nn.softmax((tokens @ router).astype(jnp.float32), axis=-1)
+  top_w, top_i = jax.lax.top_k(probs, top_k)
+  if norm_topk_prob:
+    top_w = top_w / jnp.sum(top_w, axis=-1, keepdims=True)
+  return top_w.astype(tokens.dtype), top_i.astype(jnp.int32)
+
+
+def grouped_swiglu(tokens: jax.Array, top_w: jax.Array, top_i: jax.Array, gate: jax.Array, up: jax.Array,
+                   down: jax.Array, *, first_expert=0, num_experts: int | None = None) -> jax.Array:
+  """sum_j top_w[m, j] * swiglu_{top_i[m, j]}(tokens[m]) over the pairs whose expert is local.
+
+  tokens [M, H]; top_w, top_i [M, k]; gate/up [El, H, I], down [El, I, H] hold experts
+  first_expert .. first_expert + El - 1 of ``num_experts`` (default El; other pairs are skipped).
+  The tile follows the average load M*k / num_experts; the capacity bounds the local pairs by
+  M * min(k, El). Returns [M, H] in tokens' dtype; each token's terms are added in ascending
+  expert order, as transformers does.
+  """
+  m, h = tokens.shape
+  num_local, k = gate.shape[0], top_i.shape[1]
+  rows = m * min(k, num_local)
+  t = tile_rows(m * k, num_experts or num_local)
+  c = capacity(rows, num_local, t)
+  local = top_i.reshape(-1) - first_expert
+  local = jnp.where((local >= 0) & (local < num_local), local, num_local)          # [N]; El: not here
+  order = jnp.argsort(local, stable=True)
+  counts = jnp.bincount(local, length=num_local + 1)[:num_local].astype(jnp.int32)  # [El]
+  tiles = -(-counts // t)
+  tile_end = jnp.cumsum(tiles)
+  group_start = jnp.cumsum(counts) - counts
+  g_all = jnp.arange(c // t, dtype=jnp.int32)
+  tile_expert = jnp.minimum(jnp.searchsorted(tile_end, g_all, side="right"), num_local - 1)   # [C/T]
+  first_row = (g_all - tile_end[tile_expert] + tiles[tile_expert]) * t                    # within the group
+  pos = (first_row[:, None] + jnp.arange(t, dtype=jnp.int32)).reshape(-1)                 # [C]
+  slot_expert = jnp.repeat(tile_expert, t)
+  valid = pos < counts[slot_expert]
+  pair = order[jnp.where(valid, group_start[slot_expert] + pos, 0)]
+  slot_token = jnp.where(valid, pair // k, m)                                           # m: padding row
+  slot_weight = jnp.where(valid, top_w.reshape(-1)[pair], 0).astype(tokens.dtype)
+  used = tile_end[-1]
+
+  def tile(g, out):
+    idx = jax.lax.dynamic_slice_in_dim(slot_token, g * t, t)
+    wt = jax.lax.dynamic_slice_in_dim(slot_weight, g * t, t)
+    e = tile_expert[g]
+    y = swiglu(tokens.at[idx].get(mode="clip"), gate[e], up[e], down[e]) * wt[:, None]
+    return out.at[idx].add(y.astype(out.dtype), mode="drop")
+
+  def body(g, out):
+    return jax.lax.cond(g < used, tile, lambda g, o: o, g, out) if t > 1 else tile(g, out)
+
+  return jax.lax.fori_loop(0, c // t, body, jnp.zeros((m, h), tokens.dtype))
+
+
+def moe_mlp(x: jax.Array, params: dict, pre: str, cfg: Qwen3Config, mesh=None) -> jax.Array:
+  """The sparse MoE block of layer ``pre`` on x [B, T, H] -> [B, T, H] (see the module docstring)."""
+  specs = moe_specs(pre, cfg)
+  names = [pre + "router"] + [pre + "experts." + w for w in WEIGHTS]
+  weights = [params[n] for n in names]
+  k = cfg.num_experts_per_tok
+  sharded = mesh is not None and mesh.shape["model"] > 1
+
+  def local(x, router, gate, up, down):
+    b, t, h = x.shape
+    tokens = x.reshape(b * t, h)
+    top_w, top_i = route(tokens, router, k, cfg.norm_topk_prob)
+    first = jax.lax.axis_index("model") * gate.shape[0] if sharded and cfg.expert_parallel else 0
+    out = grouped_swiglu(tokens, top_w, top_i, gate, up, down, first_expert=first, num_experts=cfg.num_experts)
+    if sharded:
+      out = jax.lax.psum(out, "model")
+    return out.reshape(b, t, h)
+
+  if mesh is None or mesh.size == 1:
+    return local(x, *weights)
+  x_spec = logical_to_spec(("batch", "seq", "embed"), x.shape, mesh)
+  w_specs = [logical_to_spec(specs[n].axes, specs[n].shape, mesh) for n in names]
+  fn = jax.shard_map(local, mesh=mesh, in_specs=(x_spec, *w_specs), out_specs=x_spec, check_vma=False)
+  return fn(x, *weights)
