@@ -1,11 +1,14 @@
 """``jetspec-jax``: convert, export, generate, demo (thin: parse, call the library, print).
 
-Every command prints a human summary, or one JSON object with ``--json``. Input problems end
-with one sentence on stderr and exit status 2.
+Every command prints a human summary, or with ``--json`` one JSON object: then stdout holds that object
+only (whatever libraries print while the command runs goes to stderr). Input problems end with one
+sentence on stderr and exit status 2.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import ctypes
 import json
 import os
 import sys
@@ -96,8 +99,30 @@ def use_compilation_cache(path: str) -> None:
 
 
 def _emit(args, result: dict, human: str) -> None:
+  """Records the compilation cache in ``result`` and prints ``human``; with --json, ``main`` prints ``result``."""
   result["compilation_cache"] = args.compilation_cache_dir
-  print(json.dumps(result, indent=None if args.json else 2) if args.json else human)
+  if not args.json:
+    print(human)
+
+
+@contextlib.contextmanager
+def stdout_to_stderr():
+  """Inside, whatever is written to stdout goes to stderr: through ``sys.stdout`` and through file
+  descriptor 1 (native code writes there), so that the real stdout holds only what is printed after."""
+  for stream in filter(None, (sys.stdout, sys.__stdout__)):
+    stream.flush()
+  saved_fd, saved_stream = os.dup(1), sys.stdout
+  os.dup2(2, 1)
+  sys.stdout = sys.stderr
+  try:
+    yield
+  finally:
+    sys.stdout = saved_stream
+    for stream in filter(None, (sys.stderr, sys.__stdout__)):
+      stream.flush()
+    ctypes.CDLL(None).fflush(None)      # C stdio buffers, written to fd 1 before it is restored
+    os.dup2(saved_fd, 1)
+    os.close(saved_fd)
 
 
 def cmd_convert(args) -> dict:
@@ -149,9 +174,17 @@ def _attention(args) -> str:
   return impl
 
 
+def _check_positions(cfg, what: str, prompt_len: int, max_new_tokens: int) -> None:
+  """Refuse a prompt plus new tokens longer than the model's ``max_position_embeddings``."""
+  total = prompt_len + max_new_tokens
+  if total > cfg.max_position_embeddings:
+    raise JetSpecError(f"{what} plus --max-new-tokens {max_new_tokens} is {total} positions, more than the model's "
+                       f"max_position_embeddings ({cfg.max_position_embeddings})")
+
+
 def cmd_generate(args) -> dict:
   import jax
-  from jetspec_jax.convert import load_head, load_target
+  from jetspec_jax.convert import load_head, load_target, read_target_config
   from jetspec_jax.decode.loop import generate_ar
   from jetspec_jax.decode.speculative import TreeConfig, generate_speculative
   if args.max_new_tokens < 1:
@@ -161,7 +194,7 @@ def cmd_generate(args) -> dict:
   impl = _attention(args)
   mesh = _mesh(args)
   dtype = _dtype(args.dtype)
-  cfg, params, side = load_target(args.target, dtype, mesh)
+  cfg, side = read_target_config(args.target)
   tokenizer = None
   if args.prompt is not None:
     tokenizer = _load_tokenizer(side)
@@ -174,6 +207,11 @@ def cmd_generate(args) -> dict:
   else:
     ids = _parse_ids(args.prompt_ids)
   eos = None if args.eos_ids is None else ([] if args.eos_ids == "" else _parse_ids(args.eos_ids, "--eos-ids"))
+  outside = [t for t in eos or () if not 0 <= t < cfg.vocab_size]
+  if outside:
+    raise JetSpecError(f"--eos-ids id {outside[0]} is outside the vocabulary (size {cfg.vocab_size})")
+  _check_positions(cfg, f"the prompt ({len(ids)} tokens)", len(ids), args.max_new_tokens)
+  _, params, _ = load_target(args.target, dtype, mesh)
   if args.head:
     head_cfg, head_params = load_head(args.head, dtype, mesh, target_cfg=cfg)
     tree = TreeConfig(args.tree, args.budget, args.width, head_cfg.depth if args.depth is None else args.depth)
@@ -234,7 +272,7 @@ def cmd_regenerate(args) -> dict:
 
 def cmd_bench(args) -> dict:
   from jetspec_jax import bench
-  from jetspec_jax.convert import load_head, load_target
+  from jetspec_jax.convert import load_head, load_target, read_target_config
   for flag, value in (("--num-prompts", args.num_prompts), ("--prompt-len", args.prompt_len),
                       ("--max-new-tokens", args.max_new_tokens), ("--batch-size", args.batch_size),
                       ("--repeats", args.repeats)):
@@ -242,6 +280,8 @@ def cmd_bench(args) -> dict:
       raise JetSpecError(f"{flag} must be at least 1, got {value}")
   budgets = _parse_ids(args.budgets, "--budgets")
   impl = _attention(args)
+  _check_positions(read_target_config(args.target)[0], f"--prompt-len {args.prompt_len}", args.prompt_len,
+                   args.max_new_tokens)
   mesh = _mesh(args)
   cfg, params, side = load_target(args.target, _dtype(args.dtype), mesh)
   head_cfg, head_params = load_head(args.head, _dtype(args.dtype), mesh, target_cfg=cfg)
@@ -395,14 +435,17 @@ def main(argv=None) -> int:
   if args.command == "bench" and not args.bank:
     args.bank = ["humaneval", "sharegpt"]
   try:
-    args.compilation_cache_dir = _enable_compilation_cache(args)
-    result = args.fn(args)
+    with stdout_to_stderr() if args.json else contextlib.nullcontext():    # library chatter: not the JSON
+      args.compilation_cache_dir = _enable_compilation_cache(args)
+      result = args.fn(args)
   except JetSpecError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
   except KeyboardInterrupt:
     print("interrupted", file=sys.stderr)
     return 130
+  if args.json:
+    print(json.dumps(result), flush=True)
   return 1 if result.get("ok") is False else 0
 
 

@@ -4,10 +4,13 @@ to export.
 Import streams tensors from (sharded) safetensors one at a time straight into their shardings
 (``jax.make_array_from_callback``: each process materialises only its own shards), so a model is
 never held twice in host memory. Export writes sharded safetensors + ``model.safetensors.index.json``
-+ the original config and tokenizer files, into a temporary directory renamed on success.
++ the original config and tokenizer files, into a temporary directory renamed on success. Side files
+are copied as they are, except for the transformers 4.x keys a transformers 5 config.json or
+tokenizer_config.json lacks (``copy_side_files``): every HF directory written loads as the same model
+and tokenizer in 4.x and 5.x.
 
 A converted checkpoint directory holds ``params/`` (orbax), ``hf/`` (the original config.json and
-tokenizer files) and ``jetspec.json`` (kind and dtype).
+tokenizer files, 4.x keys added) and ``jetspec.json`` (kind and dtype).
 """
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ from jetspec_jax.config import Qwen3Config, load_hf_config, read_json
 from jetspec_jax.errors import JetSpecError
 from jetspec_jax.models.layers import ParamSpec
 from jetspec_jax.sharding import named_sharding
+from jetspec_jax.tokenizer import hf4_tokenizer_config
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
                    "merges.txt", "generation_config.json", "chat_template.jinja", "added_tokens.json")
@@ -250,13 +254,44 @@ def write_safetensors(out_dir: str, table: Sequence[Mapping], params: dict[str, 
   return names
 
 
+def hf4_model_config(config: dict) -> dict:
+  """A transformers 5 ``config.json`` dict that transformers 4.x reads as the same model too: the 4.x keys
+  it lacks are added (``rope_theta`` from ``rope_parameters``, which 4.x ignores for theta 10000;
+  ``num_experts`` from ``num_local_experts``, else 128 experts; ``torch_dtype`` from ``dtype``). Every
+  original key keeps its value, so a config that has them all comes back equal."""
+  rope = config.get("rope_parameters")
+  derived = {"rope_theta": rope.get("rope_theta") if isinstance(rope, dict) else None,
+             "num_experts": config.get("num_local_experts"), "torch_dtype": config.get("dtype")}
+  return {**config, **{k: v for k, v in derived.items() if k not in config and v is not None}}
+
+
+_HF4_REWRITES = {"config.json": hf4_model_config, "tokenizer_config.json": hf4_tokenizer_config}
+
+
 def copy_side_files(src_dir: str, dst_dir: str, names: Sequence[str] = ("config.json",) + TOKENIZER_FILES) -> list[str]:
-  """Copy whichever of ``names`` exist in src_dir; returns those copied."""
+  """Copy whichever of ``names`` exist in src_dir, each through a temporary file renamed into place;
+  returns those copied. config.json and tokenizer_config.json get the transformers 4.x spellings they
+  lack (``hf4_model_config``, ``tokenizer.hf4_tokenizer_config``); a file that needs none is copied byte
+  for byte."""
   copied = []
   for n in names:
-    if os.path.isfile(os.path.join(src_dir, n)):
-      shutil.copy2(os.path.join(src_dir, n), os.path.join(dst_dir, n))
-      copied.append(n)
+    src, dst = os.path.join(src_dir, n), os.path.join(dst_dir, n)
+    if not os.path.isfile(src):
+      continue
+    rewrite, tmp = _HF4_REWRITES.get(n), dst + ".tmp"
+    original = read_json(src, n) if rewrite else None
+    fixed = rewrite(original) if rewrite else None
+    try:
+      if fixed != original:
+        with open(tmp, "w", encoding="utf-8") as f:
+          f.write(json.dumps(fixed, indent=2, ensure_ascii=False) + "\n")
+      else:
+        shutil.copy2(src, tmp)
+      os.replace(tmp, dst)
+    finally:
+      if os.path.lexists(tmp):
+        os.remove(tmp)
+    copied.append(n)
   return copied
 
 
@@ -268,6 +303,20 @@ def _default_progress(it):
   return it
 
 
+def read_target_config(path: str) -> tuple[Qwen3Config, str]:
+  """(cfg, side_dir) of a target (HF directory or converted checkpoint) without reading its weights;
+  side_dir holds the HF config/tokenizer files (``path`` itself for an HF directory)."""
+  if not os.path.exists(path):
+    raise JetSpecError(f"target not found: {path}")
+  if not is_converted_checkpoint(path):
+    return load_hf_config(path), path
+  meta = read_json(os.path.join(path, CHECKPOINT_MARKER), CHECKPOINT_MARKER)
+  if meta.get("kind") != "target":
+    raise JetSpecError(f"{path} holds a {meta.get('kind')!r} checkpoint, not a target")
+  side = os.path.join(path, "hf")
+  return load_hf_config(side), side
+
+
 def load_target(path: str, dtype=None, mesh=None, progress=_default_progress):
   """Load a target from an HF directory or a converted checkpoint.
 
@@ -275,17 +324,9 @@ def load_target(path: str, dtype=None, mesh=None, progress=_default_progress):
   ``dtype`` None keeps the stored dtype.
   """
   from jetspec_jax.models.qwen3 import param_specs
-  if not os.path.exists(path):
-    raise JetSpecError(f"target not found: {path}")
+  cfg, side = read_target_config(path)
   if is_converted_checkpoint(path):
-    meta = read_json(os.path.join(path, CHECKPOINT_MARKER), CHECKPOINT_MARKER)
-    if meta.get("kind") != "target":
-      raise JetSpecError(f"{path} holds a {meta.get('kind')!r} checkpoint, not a target")
-    side = os.path.join(path, "hf")
-    cfg = load_hf_config(side)
-    params = restore_params(os.path.join(path, "params"), param_specs(cfg), dtype, mesh)
-    return cfg, params, side
-  cfg = load_hf_config(path)
+    return cfg, restore_params(os.path.join(path, "params"), param_specs(cfg), dtype, mesh), side
   reader = SafetensorsReader(path)
   if dtype is None:
     dtype = reader.get("model.embed_tokens.weight").dtype

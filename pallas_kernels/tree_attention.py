@@ -117,7 +117,7 @@ def launch_shapes(batch: int, num_q: int, num_q_heads: int, num_kv_heads: int, h
   key/value bytes).
   """
   if head_dim not in SUPPORTED_HEAD_DIMS:
-    raise JetSpecError(f"tree attention supports head_dim {SUPPORTED_HEAD_DIMS}, not {head_dim}.")
+    raise JetSpecError(f"tree attention supports head_dim {SUPPORTED_HEAD_DIMS}, not {head_dim}; use --attention xla.")
   if num_kv_heads < 1 or num_q_heads % num_kv_heads:
     raise JetSpecError(f"query heads ({num_q_heads}) must be a multiple of kv heads ({num_kv_heads}).")
   if batch < 1 or num_q < 1:

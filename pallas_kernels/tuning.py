@@ -106,6 +106,9 @@ def load_tuning(path: str | os.PathLike) -> KernelTuning:
   """The table in a JSON file (see the module docstring); a clear error for a missing or bad file.
   Read on every call (a kernel trace, a few hundred bytes): an edited file always takes effect."""
   path = Path(path)
+  if path.is_dir():
+    raise JetSpecError(f"kernel tuning file {path} is a directory; pass the JSON file in it "
+                       f"(e.g. {path / 'kernel_tuning.json'}).")
   if not path.is_file():
     raise JetSpecError(f"kernel tuning file {path} does not exist.")
   try:

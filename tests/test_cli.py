@@ -131,3 +131,27 @@ def test_a_rerun_loads_its_programs_from_the_compilation_cache(hf_dir, tmp_path)
   bad = subprocess.run(argv + ["--compilation-cache", str(tmp_path / "file" / "xla")], env=env,
                        capture_output=True, text=True, timeout=300)
   assert bad.returncode == 2 and "cannot create the compilation cache directory" in bad.stderr
+
+
+def test_json_mode_keeps_library_chatter_off_stdout(tmp_path, capfd, monkeypatch):
+  """`train --json` prepares a TFDS dataset, which prints "Downloading and preparing dataset ..." to stdout,
+  and native code may write to file descriptor 1: all of it goes to stderr, and stdout is the JSON object."""
+  import trainer_world
+  from jetspec_jax.train import data
+  world = trainer_world.build(str(tmp_path / "world"))
+  prepare = data.prepare_dataset
+
+  def prepare_and_write_to_fd_1(*args, **kwargs):
+    os.write(1, b"native chatter on fd 1\n")
+    return prepare(*args, **kwargs)
+  monkeypatch.setattr(data, "prepare_dataset", prepare_and_write_to_fd_1)
+  overrides = {"target": world["target"], "data.path": world["data"], "output_dir": tmp_path / "run",
+               "data.seq_len": 32, "train.batch_size": 2, "train.num_anchors": 2, "train.chunk_anchors": 2,
+               "head.block_size": 2, "data.eval_examples": 0, "eval.every": 0, "train.steps": 1,
+               "export_dtype": "float32", "mesh.data": 1, "mesh.model": 1}
+  capfd.readouterr()
+  code = cli.main(["train", "--config", "tiny", "--json", *(f"--config.{k}={v}" for k, v in overrides.items())])
+  out, err = capfd.readouterr()
+  assert code == 0, err[-3000:]
+  assert out.endswith("\n") and out.count("\n") == 1 and json.loads(out)["step"] == 1
+  assert "Downloading and preparing dataset" in err and "native chatter on fd 1" in err

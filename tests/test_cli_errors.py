@@ -85,7 +85,27 @@ def test_bad_generate_flags(target, head, capsys, argv, phrase):
   one_sentence(capsys, "generate", "--target", target, "--head", head, *GENERATE, *argv, phrases=(phrase,))
 
 
+@pytest.mark.parametrize("speculative", [False, True])
+@pytest.mark.parametrize("argv,phrases", [
+    (["--prompt-ids", "1,2,3", "--max-new-tokens", "510"],
+     ("prompt (3 tokens) plus --max-new-tokens 510 is 513 positions", "max_position_embeddings (512)")),
+    (["--eos-ids", "5,96"], ("--eos-ids id 96 is outside the vocabulary (size 96)",)),
+    (["--eos-ids", "-1"], ("--eos-ids id -1 is outside the vocabulary",)),
+    (["--attention", "pallas_interpret"], ("supports head_dim (64, 128), not 8", "use --attention xla")),
+])
+def test_generate_limits(target, head, capsys, speculative, argv, phrases):
+  """Limits of the model (positions, vocabulary) and of the kernel (head_dim 8 here) are refused."""
+  head_flags = ["--head", head, "--budget", "4", "--width", "2"] if speculative else []
+  one_sentence(capsys, "generate", "--target", target, *head_flags, *GENERATE, *argv, phrases=phrases)
+
+
+def test_kernel_tuning_directory_is_named(target, tmp_path, capsys):
+  one_sentence(capsys, "generate", "--target", target, *GENERATE, "--kernel-tuning", str(tmp_path),
+               phrases=(f"kernel tuning file {tmp_path} is a directory", "kernel_tuning.json"))
+
+
 @pytest.mark.parametrize("argv,phrase", [
+    (["--prompt-len", "500", "--max-new-tokens", "20"], "--prompt-len 500 plus --max-new-tokens 20 is 520 positions"),
     (["--batch-size", "0"], "--batch-size must be at least 1"),
     (["--repeats", "0"], "--repeats must be at least 1"),
     (["--num-prompts", "0"], "--num-prompts must be at least 1"),

@@ -46,6 +46,11 @@ def assert_bit_exact(got: dict, want: dict):
     assert torch.equal(g.view(_INT_VIEW[w.dtype]), w.view(_INT_VIEW[w.dtype])), f"bits differ: {k}"
 
 
+def read_json(*path):
+  with open(os.path.join(*path)) as f:
+    return json.load(f)
+
+
 def no_temp_dirs(parent):
   return [n for n in os.listdir(parent) if ".tmp-" in n] == []
 
@@ -85,10 +90,17 @@ def test_round_trip_is_bit_exact(name, dtype, round_trip):
   assert_bit_exact(exported, original)
   want_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
   assert {t.dtype for t in exported.values()} == {want_dtype}
-  # Side files are copied unchanged.
-  for side in ("config.json", "generation_config.json"):
-    with open(os.path.join(hf_in, side), "rb") as a, open(os.path.join(out, side), "rb") as b:
-      assert a.read() == b.read(), side
+  # generation_config.json is copied unchanged; config.json (saved by transformers 5) keeps every key and
+  # value and gains the transformers 4.x spellings it lacks, in the checkpoint's hf/ and in the export.
+  with open(os.path.join(hf_in, "generation_config.json"), "rb") as a, \
+       open(os.path.join(out, "generation_config.json"), "rb") as b:
+    assert a.read() == b.read()
+  saved = read_json(hf_in, "config.json")
+  assert not {"rope_theta", "num_experts", "torch_dtype"} & set(saved)
+  added = {"rope_theta": saved["rope_parameters"]["rope_theta"], "torch_dtype": saved["dtype"]}
+  if "num_local_experts" in saved:
+    added["num_experts"] = saved["num_local_experts"]
+  assert read_json(ckpt, "hf", "config.json") == read_json(out, "config.json") == {**saved, **added}
   # Converted checkpoint layout.
   with open(os.path.join(ckpt, convert.CHECKPOINT_MARKER)) as f:
     meta = json.load(f)
@@ -188,7 +200,7 @@ def test_convert_casts_dtype_like_torch(hf_dir, tmp_path):
   assert_bit_exact(read_safetensors(out), want)
 
 
-# ---------------------------------------------------------------- bad inputs
+# ---------------------------------------------------------------- side files
 
 
 @pytest.fixture
@@ -206,6 +218,72 @@ def _edit_config(model_dir, fn):
   fn(d)
   with open(path, "w") as f:
     json.dump(d, f)
+
+
+HF4_CONFIG_KEYS = {"rope_theta": 10_000.0, "torch_dtype": "float32"}
+HF5_TOKENIZER_CONFIG = {"backend": "tokenizers", "eos_token": "<|im_end|>", "extra_special_tokens": ["<|im_start|>"],
+                        "model_max_length": 512, "tokenizer_class": "TokenizersBackend"}
+HF5_TOKENIZER_CONFIG_FOR_HF4 = {"backend": "tokenizers", "eos_token": "<|im_end|>", "model_max_length": 512,
+                                "additional_special_tokens": ["<|im_start|>"],
+                                "tokenizer_class": "PreTrainedTokenizerFast"}
+
+
+def _hub_style(model_dir):
+  """Give ``model_dir`` a config.json and tokenizer_config.json that transformers 4.x reads as they are
+  (the 4.x keys present, odd formatting that a rewrite would not keep)."""
+  _edit_config(model_dir, lambda d: d.update(HF4_CONFIG_KEYS))
+  config = read_json(model_dir, "config.json")
+  with open(os.path.join(model_dir, "config.json"), "w") as f:
+    f.write(json.dumps(config, indent=4) + "\n\n")
+  tokenizer = {**HF5_TOKENIZER_CONFIG, "tokenizer_class": "Qwen2Tokenizer", "additional_special_tokens": ["<|x|>"]}
+  del tokenizer["extra_special_tokens"]
+  with open(os.path.join(model_dir, "tokenizer_config.json"), "w") as f:
+    f.write(json.dumps(tokenizer, indent=3))
+
+
+def test_side_files_hf4_reads_are_copied_byte_for_byte(hf_copy, tmp_path):
+  _hub_style(hf_copy)
+  ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "out")
+  convert.convert_hf(hf_copy, ckpt)
+  convert.export_hf(ckpt, out)
+  for side in ("config.json", "tokenizer_config.json", "generation_config.json"):
+    with open(os.path.join(hf_copy, side), "rb") as f:
+      want = f.read()
+    for d in (os.path.join(ckpt, "hf"), out):
+      with open(os.path.join(d, side), "rb") as f:
+        assert f.read() == want, (d, side)
+
+
+def test_side_files_saved_by_hf5_gain_the_hf4_keys(hf_dir, tmp_path):
+  """A transformers 5 config (rope_parameters, num_local_experts, dtype) and tokenizer config
+  (TokenizersBackend, list-valued extra_special_tokens): the copies add what 4.x reads, keep the rest."""
+  hf_in = str(tmp_path / "hf5")
+  shutil.copytree(hf_dir("moe_norm", "float32"), hf_in)
+  with open(os.path.join(hf_in, "tokenizer_config.json"), "w") as f:
+    json.dump(HF5_TOKENIZER_CONFIG, f)
+  saved = read_json(hf_in, "config.json")
+  out, ckpt_out = str(tmp_path / "out"), str(tmp_path / "ckpt")
+  convert.export_hf(hf_in, out)
+  convert.convert_hf(hf_in, ckpt_out)
+  for d in (out, os.path.join(ckpt_out, "hf")):
+    assert read_json(d, "config.json") == {**saved, "rope_theta": 10_000.0, "num_experts": 8, "torch_dtype": "float32"}
+    assert read_json(d, "tokenizer_config.json") == HF5_TOKENIZER_CONFIG_FOR_HF4
+    assert not [n for n in os.listdir(d) if n.endswith(".tmp")]
+  assert convert.load_target(out)[0] == convert.load_target(hf_in)[0]
+
+
+def test_pretrain_copies_tokenizer_config_for_hf4(jax_target, tmp_path):
+  from jetspec_jax.train import pretrain
+  tok_dir = tmp_path / "tok"
+  tok_dir.mkdir()
+  (tok_dir / "tokenizer_config.json").write_text(json.dumps(HF5_TOKENIZER_CONFIG))
+  cfg, params = jax_target("dense_tied")
+  out = str(tmp_path / "target")
+  assert "tokenizer_config.json" in pretrain.write_hf_directory(out, cfg, params, tokenizer_dir=str(tok_dir))
+  assert read_json(out, "tokenizer_config.json") == HF5_TOKENIZER_CONFIG_FOR_HF4
+
+
+# ---------------------------------------------------------------- bad inputs
 
 
 def test_missing_model_dir(tmp_path):

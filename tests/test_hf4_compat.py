@@ -74,6 +74,30 @@ def test_hf4_target_logits_match_jax(name, expected_class, tmp_path):
     assert err <= 1e-4, f"{d}: transformers 4.x logits differ from JAX by {err}"
 
 
+@pytest.mark.parametrize("name,expected_class", [("dense", "Qwen3ForCausalLM"), ("moe_norm", "Qwen3MoeForCausalLM")])
+def test_hf4_loads_the_export_of_a_hf5_saved_model(name, expected_class, tmp_path):
+  """transformers 5 ``save_pretrained`` writes theta only in rope_parameters (and MoE experts as
+  num_local_experts), which 4.x misses; converted and exported by the project, it is the same model there."""
+  src = hf_fixtures.save_model(hf_fixtures.build_model(hf_fixtures.hf_config(name, rope_theta=THETA)),
+                               str(tmp_path / "src"))
+  with open(os.path.join(src, "config.json")) as f:
+    saved = json.load(f)
+  assert saved["transformers_version"].startswith("5.") and "rope_theta" not in saved and "num_experts" not in saved
+  cfg, params, _ = convert.load_target(src, jnp.float32)
+  ckpt, exported = str(tmp_path / "ckpt"), str(tmp_path / "exported")
+  convert.convert_hf(src, ckpt)
+  convert.export_hf(ckpt, exported)
+  ids = (np.arange(1, 25, dtype=np.int32)[None] * 5) % cfg.vocab_size
+  want, _ = hf_fixtures.jax_forward(params, cfg, ids)
+  got = run_hf4("model", dirs=[exported], ids=ids.tolist())[exported]
+  assert got["class"] == expected_class and got["loading_problems"] == {}
+  assert got["config"]["rope_theta"] == THETA
+  if cfg.num_experts:
+    assert got["config"]["num_experts"] == cfg.num_experts == saved["num_local_experts"]
+  err = float(np.abs(np.asarray(got["logits"], np.float32) - want).max())
+  assert err <= 1e-4, f"transformers 4.x logits of the export differ from JAX by {err}"
+
+
 def test_hf4_reads_head_config(jax_target, tmp_path):
   target_cfg, _ = jax_target("dense")
   head_cfg = draft_head.DraftConfig.for_target(target_cfg, num_layers=2, block_size=4, rope_theta=THETA)
@@ -91,14 +115,37 @@ def test_hf4_reads_head_config(jax_target, tmp_path):
   assert draft_head.DraftConfig.from_hf_dict(c) == head_cfg       # and it reads back as the same head
 
 
-def test_hf4_tokenizer_matches_hf5(tmp_path):
+def chat_tokenizer(out_dir: str) -> str:
   rng = np.random.default_rng(0)
   words = ["the", "cat", "sat", "on", "mat", "think", "answer", "2+2", "is", "4", "héllo", "数字", "\n"]
   texts = [" ".join(rng.choice(words, 12)) for _ in range(200)]
-  tok_dir = train_chat_tokenizer(texts, 320, str(tmp_path / "tok"))
-  want = json.loads(json.dumps(hf4_probe.tokenizer(tok_dir)))      # transformers 5, as JSON
-  got = run_hf4("tokenizer", path=tok_dir)
+  return train_chat_tokenizer(texts, 320, out_dir)
+
+
+def assert_hf4_tokenizer_matches_hf5(hf5_dir: str, hf4_dir: str) -> None:
+  want = json.loads(json.dumps(hf4_probe.tokenizer(hf5_dir)))      # transformers 5, as JSON
+  got = run_hf4("tokenizer", path=hf4_dir)
   assert want["specials"]["eos"] == ["<|im_end|>", want["len"] - 4]
   assert want["specials"]["mask"][0] == "<|MASK|>" and want["specials"]["pad"][0] == "<|endoftext|>"
   for key in want:
     assert got[key] == want[key], key
+
+
+def test_hf4_tokenizer_matches_hf5(tmp_path):
+  tok_dir = chat_tokenizer(str(tmp_path / "tok"))
+  assert_hf4_tokenizer_matches_hf5(tok_dir, tok_dir)
+
+
+def test_hf4_loads_project_copies_of_a_hf5_saved_tokenizer(jax_target, tmp_path):
+  """A tokenizer re-saved by transformers 5 (``TokenizersBackend``, list-valued ``extra_special_tokens``)
+  does not load in 4.x; the copy the demo target gets (``pretrain.write_hf_directory``) does, as the same
+  tokenizer. (The export's copy goes through the same ``convert.copy_side_files``.)"""
+  import transformers
+  resaved = str(tmp_path / "resaved")
+  transformers.AutoTokenizer.from_pretrained(chat_tokenizer(str(tmp_path / "tok"))).save_pretrained(resaved)
+  with open(os.path.join(resaved, "tokenizer_config.json")) as f:
+    assert json.load(f)["tokenizer_class"] == "TokenizersBackend"
+  cfg, params = jax_target("dense")
+  target = str(tmp_path / "target")
+  pretrain.write_hf_directory(target, cfg, params, tokenizer_dir=resaved)
+  assert_hf4_tokenizer_matches_hf5(resaved, target)
