@@ -1,4 +1,5 @@
-"""Shared helpers of the benchmark scripts: machine description, timing, tables and JSON output.
+"""Shared helpers of the benchmark scripts: machine description, timing, tables, JSON output and
+FLOP / array counts read from compiled HLO text.
 
 Every benchmark prints a plain-text table and writes one JSON document: to ``--out`` and, when
 the ``OUT`` environment variable names a directory (the device runner sets it), also to
@@ -8,8 +9,10 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 import os
 import platform
+import re
 import statistics
 import sys
 import time
@@ -130,3 +133,82 @@ def _json_default(x):
   if isinstance(x, Path):
     return str(x)
   raise TypeError(f"not JSON serialisable: {type(x).__name__}")
+
+
+_COMP = re.compile(r"^(?:ENTRY )?%([\w.\-]+) .*\{$")
+_INSTR = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (\(.*?\)|\S+) ([a-z][\w\-]*)\((.*)$")
+_ARRAY = re.compile(r"\b[a-z]+\d*\[([\d,]*)\]")
+_CALLEE = re.compile(r"\b(?:calls|to_apply|body|condition|true_computation|false_computation)=%([\w.\-]+)")
+
+
+def _dims(shape: str) -> list[int]:
+  m = _ARRAY.search(shape)
+  return [int(d) for d in m.group(1).split(",") if d] if m else []
+
+
+def _computations(hlo: str) -> tuple[dict[str, list[tuple[str, str, str, str]]], str]:
+  """{computation: [(name, shape, opcode, rest of line)]} of a compiled HLO module, and the entry's name."""
+  comps, entry, current = {}, None, None
+  for line in hlo.splitlines():
+    line = re.sub(r"/\*.*?\*/", "", line)
+    head = _COMP.match(line)
+    if head:
+      current = comps.setdefault(head.group(1), [])
+      entry = head.group(1) if line.startswith("ENTRY") else entry
+      continue
+    ins = _INSTR.match(line)
+    if ins and current is not None:
+      current.append(ins.groups())
+  return comps, entry
+
+
+def hlo_dot_flops(hlo: str, unknown_trips: int | None = None) -> float:
+  """FLOPs of every dot in a compiled HLO module (2 * output elements * contracted size), a while
+  body counted ``known_trip_count`` times, a conditional as its costliest branch. XLA's
+  ``cost_analysis`` counts every loop body once. A loop without a known trip count (a data-dependent
+  ``lax.while_loop``) is an error, or counts ``unknown_trips`` times when given (1: FLOPs per iteration)."""
+  comps, entry = _computations(hlo)
+  memo: dict[str, float] = {}
+
+  def cost(name: str) -> float:
+    if name in memo:
+      return memo[name]
+    shapes = {n: s for n, s, _, _ in comps[name]}
+    total = 0.0
+    for _, shape, op, rest in comps[name]:
+      if op == "dot":
+        lhs = _dims(shapes[re.match(r"%([\w.\-]+)", rest).group(1)])
+        contracted = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", rest).group(1)
+        total += 2 * math.prod(_dims(shape)) * math.prod(lhs[int(d)] for d in contracted.split(",") if d)
+      elif op == "while":
+        known = re.search(r'"known_trip_count":\{"n":"(\d+)"', rest)
+        if known is None and unknown_trips is None:
+          raise ValueError("a while loop without a known trip count: its FLOPs are not static")
+        trips = int(known.group(1)) if known else unknown_trips
+        body, cond = re.search(r"body=%([\w.\-]+)", rest).group(1), re.search(r"condition=%([\w.\-]+)", rest).group(1)
+        total += trips * cost(body) + (trips + 1) * cost(cond)
+      elif op == "conditional":
+        branches = re.search(r"branch_computations=\{([^}]*)\}", rest)
+        names = re.findall(r"%([\w.\-]+)", branches.group(1)) if branches else _CALLEE.findall(rest)
+        total += max(cost(b) for b in names)
+      else:
+        total += sum(cost(c) for c in _CALLEE.findall(rest))
+    memo[name] = total
+    return total
+
+  return cost(entry)
+
+
+def largest_array(hlo: str) -> tuple[int, str]:
+  """(elements, shape) of the largest array any instruction of a compiled HLO module produces, other
+  than the entry's parameters and values of the same shape (the inputs, e.g. the expert weights)."""
+  comps, entry = _computations(hlo)
+  inputs = {tuple(_dims(s)) for _, s, op, _ in comps[entry] if op == "parameter"}
+  best = (0, "")
+  for instrs in comps.values():
+    for _, shape, op, _ in instrs:
+      for dims in _ARRAY.findall(shape):
+        d = tuple(int(x) for x in dims.split(",") if x)
+        if op != "parameter" and d not in inputs and math.prod(d) > best[0]:
+          best = (math.prod(d), shape)
+  return best

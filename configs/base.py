@@ -47,6 +47,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.mesh = ml_collections.ConfigDict()
   c.mesh.data = -1                    # -1: all devices not used by model
   c.mesh.model = 1
+  c.mesh.expert_parallel = False      # MoE target: whole experts split over model (else each expert's MLP width)
 
   c.checkpoint = ml_collections.ConfigDict()
   c.checkpoint.every = 500

@@ -9,7 +9,9 @@ Layout (shared by every implementation):
                               the diagonal must be True (every row sees itself; padding rows too)
   returns    [B, T, Hq, Dh]   in q.dtype; scores and softmax in float32; Hq = Hkv * group.
 
-Implementations: ``xla`` (reference, any backend) and ``pallas`` (the GPU kernel of
+Implementations: ``xla`` (reference, any backend), ``xla_chunked`` (the same numerics one block
+of ``QUERY_CHUNK`` queries at a time: its float32 scores are [B, Hkv, G, QUERY_CHUNK, S], never
+[B, Hkv, G, T, S]; for long prompts and training's frozen target) and ``pallas`` (the GPU kernel of
 ``pallas_kernels.tree_attention``; ``pallas_interpret`` runs it on CPU).
 """
 from __future__ import annotations
@@ -22,7 +24,8 @@ from jax.sharding import PartitionSpec as P
 
 from jetspec_jax.errors import JetSpecError
 
-IMPLEMENTATIONS = ("xla", "pallas", "pallas_interpret")
+IMPLEMENTATIONS = ("xla", "xla_chunked", "pallas", "pallas_interpret")
+QUERY_CHUNK = 256   # queries per block of ``xla_chunked``
 
 
 def resolve_implementation(name: str | None) -> str:
@@ -66,19 +69,46 @@ def _cpu_upcast(*xs):
 
 def xla_attention(q, k_cache, v_cache, prefix_len, block_mask, *, sm_scale: float | None = None):
   """Reference masked attention (see module docstring for shapes)."""
+  return _masked_attention(q, k_cache, v_cache, visible_keys(prefix_len, block_mask, k_cache.shape[2]), sm_scale)
+
+
+def _masked_attention(q, k_cache, v_cache, mask, sm_scale):
+  """q [B, T, Hq, Dh] over the cache where mask [B, T, S] allows; a row seeing no key gives zeros."""
   batch, num_q, num_heads, head_dim = q.shape
   num_kv = k_cache.shape[1]
   group = num_heads // num_kv
   scale = head_dim ** -0.5 if sm_scale is None else sm_scale
   qg = q.reshape(batch, num_q, num_kv, group, head_dim)
   scores = jnp.einsum("btkgd,bksd->bkgts", *_cpu_upcast(qg, k_cache), preferred_element_type=jnp.float32) * scale
-  mask = visible_keys(prefix_len, block_mask, k_cache.shape[2])   # [B, T, S]
   scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
   probs = jax.nn.softmax(scores, axis=-1)
   probs = jnp.where(mask[:, None, None], probs, 0.0)
   out = jnp.einsum("bkgts,bksd->btkgd", *_cpu_upcast(probs.astype(v_cache.dtype), v_cache),
                    preferred_element_type=jnp.float32)
   return out.reshape(batch, num_q, num_heads, head_dim).astype(q.dtype)
+
+
+def chunked_attention(q, k_cache, v_cache, prefix_len, block_mask, *, sm_scale: float | None = None,
+                      chunk: int = QUERY_CHUNK):
+  """``xla_attention`` over blocks of ``chunk`` queries in a ``lax.map`` (each block's softmax spans
+  all S keys, so the result is the reference's up to float32 rounding). T is padded to a multiple of
+  ``chunk`` with rows that see no new key, dropped from the output. Shapes: the module docstring."""
+  num_q = q.shape[1]
+  if num_q <= chunk:
+    return xla_attention(q, k_cache, v_cache, prefix_len, block_mask, sm_scale=sm_scale)
+  num_chunks = -(-num_q // chunk)
+  pad = num_chunks * chunk - num_q
+  q = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0)))
+  block_mask = jnp.pad(block_mask, ((0, 0), (0, pad), (0, 0)))             # [B, T', T]: padding rows see no key
+
+  def one(start):
+    qc = jax.lax.dynamic_slice_in_dim(q, start, chunk, axis=1)
+    rows = jax.lax.dynamic_slice_in_dim(block_mask, start, chunk, axis=1)     # [B, C, T]
+    return _masked_attention(qc, k_cache, v_cache, visible_keys(prefix_len, rows, k_cache.shape[2]), sm_scale)
+
+  out = jax.lax.map(one, jnp.arange(num_chunks, dtype=jnp.int32) * chunk)   # [n, B, C, Hq, Dh]
+  out = jnp.moveaxis(out, 0, 1).reshape(q.shape)
+  return out[:, :num_q]
 
 
 def _kernel_specs(mesh, batch: int, num_heads: int, num_kv: int):
@@ -95,6 +125,8 @@ def attention(q, k_cache, v_cache, prefix_len, block_mask, *, impl: str = "xla",
   per shard (shard_map over batch and heads); XLA's attention is partitioned by the compiler."""
   if impl == "xla":
     return xla_attention(q, k_cache, v_cache, prefix_len, block_mask, sm_scale=sm_scale)
+  if impl == "xla_chunked":
+    return chunked_attention(q, k_cache, v_cache, prefix_len, block_mask, sm_scale=sm_scale)
   if impl not in ("pallas", "pallas_interpret"):
     raise JetSpecError(f"unknown attention implementation {impl!r}; choose one of {', '.join(IMPLEMENTATIONS)}")
   check_available(impl)

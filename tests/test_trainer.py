@@ -106,3 +106,61 @@ def test_packed_rows_train(world, tmp_path):
   assert max(len(rows.read([i])[0]["segment_lengths"]) for i in range(len(rows))) >= 2
   curve = losses(str(out))
   assert all(np.isfinite(curve)) and curve[-1] < curve[0]
+
+
+def test_target_states_equal_the_dense_forward_without_its_score_buffers():
+  """The train step's frozen target (query-blocked attention) equals the dense-attention forward on packed
+  rows (float32, 1e-5), and its compiled program has no [B, H, L, L]-sized temporary (the dense one does)."""
+  import jax.numpy as jnp
+  from jetspec_jax.config import Qwen3Config
+  from jetspec_jax.models import qwen3
+  sys.path.insert(0, REPO)
+  from bench.common import largest_array
+  cfg = Qwen3Config(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=32, rope_theta=10000.0)
+  batch, length, taps = 2, 1024, (0, 1)
+  params = qwen3.init_target(cfg, jax.random.key(0))
+  rng = np.random.default_rng(0)
+  segments, positions = np.zeros((batch, length), np.int32), np.zeros((batch, length), np.int32)
+  for b in range(batch):                           # 3-4 conversations per row, then padding (segment 0)
+    bounds = [0, *sorted(rng.choice(np.arange(8, length - 64), 3, replace=False)), length - 40]
+    for s, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):
+      segments[b, lo:hi], positions[b, lo:hi] = s + 1, np.arange(hi - lo)
+  tokens = rng.integers(0, cfg.vocab_size, (batch, length)).astype(np.int32)
+
+  def dense(p, t, s, q):
+    cache = qwen3.init_cache(cfg, batch, length, jnp.float32)
+    hidden, _, tapped = qwen3.forward(p, cfg, t, q, cache, jnp.zeros((batch,), jnp.int32),
+                                      qwen3.segment_causal_mask(s), tap_layers=taps, return_hidden=True)
+    return hidden, tapped
+
+  chunked = lambda p, t, s, q: trainer.target_states(p, cfg, t, s, q, taps)
+  args = (params, tokens, segments, positions)
+  compiled = [jax.jit(f).lower(*args).compile() for f in (dense, chunked)]
+  for want, got in zip(compiled[0](*args), compiled[1](*args)):
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)
+  scores = batch * cfg.num_attention_heads * length * length
+  old, new = (largest_array(c.as_text())[0] for c in compiled)
+  assert old >= scores > new
+  temp_old, temp_new = (c.memory_analysis().temp_size_in_bytes for c in compiled)
+  assert temp_new < temp_old / 2, (temp_old, temp_new)
+
+
+def test_mesh_expert_parallel_splits_the_targets_experts_over_model():
+  """``mesh.expert_parallel``: the loaded target's config gets ``expert_parallel`` and its expert weights move
+  to whole experts per ``model`` shard; off (the default), the config and weights stay as loaded."""
+  import ml_collections
+  from jax.sharding import PartitionSpec as P
+  from jetspec_jax.config import Qwen3Config
+  from jetspec_jax.models import qwen3
+  from jetspec_jax.sharding import make_mesh
+  cfg = Qwen3Config(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8)
+  mesh = make_mesh(2, 4)
+  params = qwen3.init_target(cfg, jax.random.key(0), mesh=mesh)
+  assert trainer.target_layout(cfg, ml_collections.ConfigDict({"expert_parallel": False})) == cfg
+  ep = trainer.target_layout(cfg, ml_collections.ConfigDict({"expert_parallel": True}))
+  placed = trainer.place_target(params, ep, mesh)
+  assert ep.expert_parallel and placed["layers.0.experts.gate"].sharding.spec == P("model", None, None)
+  assert params["layers.0.experts.gate"].sharding.spec == P(None, None, "model")
+  np.testing.assert_array_equal(np.asarray(placed["layers.0.experts.up"]), np.asarray(params["layers.0.experts.up"]))

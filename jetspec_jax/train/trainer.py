@@ -34,7 +34,7 @@ from jetspec_jax.distributed import host_values
 from jetspec_jax.errors import JetSpecError
 from jetspec_jax.models import draft_head, qwen3
 from jetspec_jax.models.draft_head import DraftConfig
-from jetspec_jax.sharding import make_mesh
+from jetspec_jax.sharding import make_mesh, named_sharding
 from jetspec_jax.train import objective
 
 log = logging.getLogger("jetspec_jax.train")
@@ -76,12 +76,13 @@ def learning_rate(tc: ml_collections.ConfigDict, step: int) -> float:
 def target_states(target_params, target_cfg: Qwen3Config, tokens: jax.Array, segment_ids: jax.Array,
                   positions: jax.Array, tap_layers, mesh=None):
   """Frozen target over whole rows, each conversation of a packed row on its own (segment mask,
-  positions restarting per conversation): (final-normed states [B, L, H], taps [B, L, F]), no grad."""
+  positions restarting per conversation): (final-normed states [B, L, H], taps [B, L, F]), no grad.
+  Attention runs in query blocks (``xla_chunked``): no [B, H, L, L] float32 scores."""
   batch, length = tokens.shape
   cache = qwen3.init_cache(target_cfg, batch, length, target_params["embed"].dtype)
   hidden, _, taps = qwen3.forward(target_params, target_cfg, tokens, positions, cache,
                                   jnp.zeros((batch,), jnp.int32), qwen3.segment_causal_mask(segment_ids),
-                                  tap_layers=tap_layers, mesh=mesh, return_hidden=True)
+                                  tap_layers=tap_layers, attn_impl="xla_chunked", mesh=mesh, return_hidden=True)
   return jax.lax.stop_gradient(hidden), jax.lax.stop_gradient(taps)
 
 
@@ -155,6 +156,17 @@ def build_mesh(mc: ml_collections.ConfigDict):
   if data * model > count:
     raise JetSpecError(f"mesh {data}x{model} needs {data * model} devices but {count} are available")
   return make_mesh(data, model, jax.devices()[:data * model])
+
+
+def target_layout(target_cfg: Qwen3Config, mc: ml_collections.ConfigDict) -> Qwen3Config:
+  """The target config in the training mesh's layout (``mesh.expert_parallel``: a runtime field)."""
+  return dataclasses.replace(target_cfg, expert_parallel=bool(mc.expert_parallel))
+
+
+def place_target(target_params: dict, target_cfg: Qwen3Config, mesh) -> dict:
+  """The target's weights moved into the shardings ``target_cfg``'s specs give them on ``mesh``."""
+  specs = qwen3.param_specs(target_cfg)
+  return {n: jax.device_put(w, named_sharding(specs[n].axes, specs[n].shape, mesh)) for n, w in target_params.items()}
 
 
 def prepare_rows(c: ml_collections.ConfigDict, tokenizer, out_dir: str):
@@ -276,6 +288,9 @@ def run(c: ml_collections.ConfigDict, *, progress: bool = True, stop_after: int 
     raise JetSpecError(f"train.batch_size={tc.batch_size} is not divisible by the mesh's data axis "
                        f"({mesh.shape['data']})")
   target_cfg, target_params, side = convert.load_target(c.target, parse_dtype(tc.target_dtype), mesh)
+  if target_layout(target_cfg, c.mesh) != target_cfg:
+    target_cfg = target_layout(target_cfg, c.mesh)
+    target_params = place_target(target_params, target_cfg, mesh)
   tokenizer = load_tokenizer(side)
   head_cfg = build_head_config(c, target_cfg, tokenizer.mask_token_id)
   out_dir = os.path.abspath(c.output_dir)

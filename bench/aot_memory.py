@@ -1,0 +1,270 @@
+"""Ahead-of-time memory and FLOPs of the shipped configs, compiled with abstract weights on 8 devices.
+
+For every shipped training config (configs/*.py) the head's train step (``trainer.compile_step``, the
+config's mesh, optimizer, batch and sequence length, the target's real shapes; weights are
+``jax.ShapeDtypeStruct`` carrying the NamedShardings their ParamSpecs give them) is lowered and
+compiled without any weight being allocated; for the 8B and 30B-A3B targets the greedy speculative
+decode loop (``speculative.spec_decode``, batch 1, tree budget 128, bf16, cache of ``--decode-len``
+committed positions, mesh 1 x 8) as well. Reported per device, from ``compiled.memory_analysis()``:
+
+* ``args_gb`` / ``out_gb`` / ``alias_gb`` / ``temp_gb``: arguments, outputs, outputs aliasing donated
+  arguments, XLA's temporaries; ``peak_gb`` = args + out - alias + temp (an upper bound: XLA may free
+  arguments early) against ``--budget-gb`` (80) with ``--headroom-gb`` (10) to spare;
+* ``hlo_tflop``: the dots of the compiled HLO with every loop body times its trip count (XLA's
+  ``cost_analysis``, ``xla_tflop``, counts a ``while`` body once: models/moe.py's tile loop, the
+  attention's query blocks, the loss's anchor chunks); the decode loop's trip count is data-dependent,
+  so its rows are per round; ``analytic_tflop``: matmul FLOPs counted from the shapes (below).
+
+XLA:CPU fuses and schedules differently from XLA:GPU (and upcasts some bf16 dots to float32): the
+temporaries here are an estimate of a GPU compile, not a measurement of one.
+
+  XLA_FLAGS=--xla_force_host_platform_device_count=8 python bench/aot_memory.py          # every config
+  XLA_FLAGS=--xla_force_host_platform_device_count=8 python bench/aot_memory.py --configs tiny --no-decode
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run as a script from anywhere
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import ml_collections  # noqa: E402
+import optax  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+
+from bench.common import hlo_dot_flops, machine_info, table, write_json  # noqa: E402
+from jetspec_jax.config import Qwen3Config, parse_dtype  # noqa: E402
+from jetspec_jax.decode import speculative  # noqa: E402
+from jetspec_jax.decode.loop import DecodeState  # noqa: E402
+from jetspec_jax.models import draft_head, qwen3  # noqa: E402
+from jetspec_jax.sharding import make_mesh, named_sharding  # noqa: E402
+from jetspec_jax.train import trainer  # noqa: E402
+from jetspec_jax.train.config_file import load_config  # noqa: E402
+
+NAME = "aot_memory"
+CONFIGS = ("tiny", "qwen3_0p6b", "qwen3_8b", "qwen3_30b_a3b")
+DECODE_CONFIGS = ("qwen3_8b", "qwen3_30b_a3b")
+# The targets' shapes (Hugging Face config.json of Qwen/Qwen3-0.6B, -8B, -30B-A3B); tiny: a CPU-sized one.
+TARGETS = {
+    "tiny": Qwen3Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=32),
+    "qwen3_0p6b": Qwen3Config(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                              num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True),
+    "qwen3_8b": Qwen3Config(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                            num_attention_heads=32, num_key_value_heads=8, head_dim=128),
+    "qwen3_30b_a3b": Qwen3Config(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
+                                 num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
+                                 num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
+                                 decoder_sparse_step=1),
+}
+GB = 1e9
+
+
+def abstract_params(specs, dtype, mesh) -> dict:
+  """{name: ShapeDtypeStruct} with each weight's NamedSharding (nothing allocated)."""
+  return {n: jax.ShapeDtypeStruct(s.shape, dtype, sharding=named_sharding(s.axes, s.shape, mesh))
+          for n, s in specs.items()}
+
+
+def abstract_state(head_cfg, tx, mesh) -> trainer.TrainState:
+  """``trainer.init_state``'s TrainState, abstract: float32 head weights in their shardings, optimizer
+  moments in their weight's sharding, everything else replicated (the rule ``init_state`` applies)."""
+  params = abstract_params(draft_head.param_specs(head_cfg), jnp.float32, mesh)
+  replicated = NamedSharding(mesh, P())
+  shapes = jax.eval_shape(tx.init, params)
+  opt_sharding = optax.tree_map_params(tx, lambda _, p: p.sharding, shapes, params,
+                                       transform_non_params=lambda _: replicated)
+  opt_state = jax.tree_util.tree_map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                                     shapes, opt_sharding)
+  rng = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0)))
+  return trainer.TrainState(step=jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated), params=params,
+                            opt_state=opt_state, rng=jax.ShapeDtypeStruct(rng.shape, rng.dtype, sharding=replicated))
+
+
+def memory_row(compiled) -> dict:
+  m = compiled.memory_analysis()
+  row = {"args_gb": m.argument_size_in_bytes / GB, "out_gb": m.output_size_in_bytes / GB,
+         "alias_gb": m.alias_size_in_bytes / GB, "temp_gb": m.temp_size_in_bytes / GB}
+  row["peak_gb"] = row["args_gb"] + row["out_gb"] - row["alias_gb"] + row["temp_gb"]
+  return row
+
+
+def flops_row(compiled, analytic: float, unknown_trips: int | None = None) -> dict:
+  cost = compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+  hlo = hlo_dot_flops(compiled.as_text(), unknown_trips) * jax.device_count()   # per-device program
+  return {"xla_tflop": float(cost.get("flops", 0.0)) * jax.device_count() / 1e12, "hlo_tflop": hlo / 1e12,
+          "analytic_tflop": analytic / 1e12, "hlo_vs_analytic": hlo / analytic}
+
+
+def layer_matmul_params(cfg: Qwen3Config, layer: int) -> int:
+  """Weights a token multiplies with in one target layer (attention projections, active MLP, router)."""
+  h, nq, nkv, dh = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+  attn = h * (2 * nq + 2 * nkv) * dh
+  if cfg.is_moe_layer(layer):
+    return attn + h * cfg.num_experts + cfg.num_experts_per_tok * 3 * h * cfg.moe_intermediate_size
+  return attn + 3 * h * cfg.intermediate_size
+
+
+def target_flops(cfg: Qwen3Config, rows: int, keys: int) -> float:
+  """Forward FLOPs of ``rows`` new rows each scoring ``keys`` keys (dense scores: masked ones too)."""
+  per_row = sum(layer_matmul_params(cfg, i) for i in range(cfg.num_hidden_layers))
+  attn = 4 * keys * cfg.num_attention_heads * cfg.head_dim * cfg.num_hidden_layers
+  return rows * (2 * per_row + attn)
+
+
+def head_layer_params(hc) -> int:
+  h, nq, nkv, dh = hc.hidden_size, hc.num_attention_heads, hc.num_key_value_heads, hc.head_dim
+  return h * (2 * nq + 2 * nkv) * dh + 3 * h * hc.intermediate_size
+
+
+def train_flops(cfg: Qwen3Config, hc, tc, seq: int) -> float:
+  """One micro-step: the target forward; the head's context keys (forward + backward: x3); per anchor
+  block the head layers, its attention over the context and its block, and the student logits
+  (forward, recomputed forward under ``jax.checkpoint``, backward: x4); the teacher logits (x1: no
+  gradient flows into them, so the backward does not recompute them)."""
+  b, a, bs = tc.batch_size, tc.num_anchors, hc.block_size
+  h, v, nl = hc.hidden_size, cfg.vocab_size, hc.num_hidden_layers
+  target = target_flops(cfg, b * seq, seq)
+  ctx = 3 * 2 * b * seq * (len(hc.target_layer_ids) * hc.target_hidden_size * h
+                           + nl * h * 2 * hc.num_key_value_heads * hc.head_dim)
+  rows = b * a * bs
+  blocks = rows * nl * (2 * head_layer_params(hc) + 4 * (seq + bs) * hc.num_attention_heads * hc.head_dim)
+  logits = 2 * b * a * (bs - 1) * h * v
+  return target + ctx + 4 * blocks + 5 * logits
+
+
+def decode_flops(cfg: Qwen3Config, hc, nodes: int, target_len: int, draft_len: int, depth: int) -> float:
+  """One round: verification of ``nodes`` tree nodes over the whole target cache and their logits; the
+  head's block over its context cache, the context append of depth + 1 rows and depth logits."""
+  verify = target_flops(cfg, nodes, target_len) + 2 * nodes * cfg.hidden_size * cfg.vocab_size
+  nl, h = hc.num_hidden_layers, hc.hidden_size
+  block = hc.block_size * nl * (2 * head_layer_params(hc) + 4 * draft_len * hc.num_attention_heads * hc.head_dim)
+  append = 2 * (depth + 1) * (len(hc.target_layer_ids) * hc.target_hidden_size * h
+                              + nl * h * 2 * hc.num_key_value_heads * hc.head_dim)
+  return verify + block + append + 2 * depth * h * cfg.vocab_size
+
+
+def train_case(name: str, c: ml_collections.ConfigDict, target: Qwen3Config) -> tuple[dict, dict]:
+  """(table row, details) of the config's train step."""
+  tc = c.train
+  mesh = trainer.build_mesh(c.mesh)
+  target = trainer.target_layout(target, c.mesh)
+  head_cfg = trainer.build_head_config(c, target, None)
+  tx = trainer.make_optimizer(tc)
+  state = abstract_state(head_cfg, tx, mesh)
+  target_params = abstract_params(qwen3.param_specs(target), parse_dtype(tc.target_dtype), mesh)
+  batch_sharding = NamedSharding(mesh, P("data", None))
+  batch = {k: jax.ShapeDtypeStruct((tc.batch_size, c.data.seq_len), jnp.int32, sharding=batch_sharding)
+           for k in trainer.BATCH_FIELDS}
+  step = trainer.compile_step(state, target_params, batch_sharding, target_cfg=target, head_cfg=head_cfg, tc=tc,
+                              tx=tx, mesh=mesh)
+  t0 = time.perf_counter()
+  compiled = step.lower(state, target_params, batch).compile()
+  row = {"config": name, "program": "train step", "mesh": f"{mesh.shape['data']}x{mesh.shape['model']}",
+         **memory_row(compiled), **flops_row(compiled, train_flops(target, head_cfg, tc, c.data.seq_len)),
+         "compile_s": time.perf_counter() - t0}
+  details = {"batch_size": tc.batch_size, "grad_accum": tc.grad_accum, "seq_len": c.data.seq_len,
+             "num_anchors": tc.num_anchors, "chunk_anchors": tc.chunk_anchors,
+             "expert_parallel": target.expert_parallel, "target_layers": target.num_hidden_layers}
+  return row, details
+
+
+def decode_case(name: str, c: ml_collections.ConfigDict, target: Qwen3Config, committed: int,
+                budget: int) -> tuple[dict, dict]:
+  """(table row, details) of the greedy speculative loop at batch 1 (bf16 weights and caches)."""
+  mesh = make_mesh(1, jax.device_count())
+  head_cfg = trainer.build_head_config(c, target, None)
+  tree = speculative.TreeConfig("accum_logp", budget, 7, head_cfg.depth)
+  max_new = committed // 4
+  target_len, draft_len = speculative.cache_lengths(committed - max_new, max_new, head_cfg, tree)
+  dtype = jnp.bfloat16
+  replicated = NamedSharding(mesh, P())
+
+  def cache(layers, kv, length, dh):
+    shape = (1, kv, length, dh)
+    sds = jax.ShapeDtypeStruct(shape, dtype, sharding=named_sharding(qwen3.CACHE_AXES, shape, mesh))
+    return qwen3.KVCache(k=(sds,) * layers, v=(sds,) * layers)
+
+  small = lambda shape, dt=jnp.int32: jax.ShapeDtypeStruct(shape, dt, sharding=replicated)
+  key = jax.eval_shape(lambda: jax.random.split(jax.random.key(0), 1))
+  base = DecodeState(cache=cache(target.num_hidden_layers, target.num_key_value_heads, target_len, target.head_dim),
+                     tokens=small((1, max_new)), num_tokens=small((1,)), last_token=small((1,)),
+                     prefix_len=small((1,)), done=small((1,), jnp.bool_), key=small(key.shape, key.dtype),
+                     steps=small(()))
+  state = speculative.SpecState(base=base, draft_cache=cache(head_cfg.num_hidden_layers, head_cfg.num_key_value_heads,
+                                                             draft_len, head_cfg.head_dim),
+                                rounds=small((1,)), depth_hist=small((1, tree.depth + 1)))
+  target_params = abstract_params(qwen3.param_specs(target), dtype, mesh)
+  head_params = abstract_params(draft_head.param_specs(head_cfg), dtype, mesh)
+  t0 = time.perf_counter()
+  compiled = speculative.spec_decode.lower(target_params, head_params, state, cfg=target, head_cfg=head_cfg,
+                                           tree_cfg=tree, eos_ids=(), mesh=mesh).compile()
+  analytic = decode_flops(target, head_cfg, tree.num_nodes(), target_len, draft_len, tree.depth)
+  row = {"config": name, "program": f"decode b{budget} (per round)", "mesh": f"1x{jax.device_count()}",
+         **memory_row(compiled), **flops_row(compiled, analytic, unknown_trips=1),
+         "compile_s": time.perf_counter() - t0}
+  return row, {"target_cache": target_len, "draft_cache": draft_len, "nodes": tree.num_nodes()}
+
+
+def main(argv: list[str] | None = None) -> int:
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated subset of {', '.join(CONFIGS)}")
+  p.add_argument("--layers", type=int, default=0, help="> 0: cut every target and head to this many layers (CI)")
+  p.add_argument("--no-decode", action="store_true", help="skip the speculative decode loop")
+  p.add_argument("--decode-len", type=int, default=4096, help="committed positions (prompt + max_new_tokens)")
+  p.add_argument("--budget", type=int, default=128, help="tree node budget of the decode loop")
+  p.add_argument("--budget-gb", type=float, default=80.0)
+  p.add_argument("--headroom-gb", type=float, default=10.0)
+  p.add_argument("--out", help="JSON path (default bench/results/aot_memory.json)")
+  args = p.parse_args(argv)
+  names = [n for n in args.configs.split(",") if n]
+  unknown = set(names) - set(CONFIGS)
+  if unknown:
+    p.error(f"unknown config(s) {', '.join(sorted(unknown))}; choose from {', '.join(CONFIGS)}")
+  if jax.device_count() != 8:
+    print(f"warning: {jax.device_count()} devices (set XLA_FLAGS=--xla_force_host_platform_device_count=8)")
+  print(f"AOT compile on {jax.device_count()} {jax.default_backend()} devices, abstract weights; per-device GB "
+        f"against {args.budget_gb:g} GB with {args.headroom_gb:g} GB headroom. XLA:CPU fuses differently from "
+        f"XLA:GPU: an estimate. FLOPs: XLA's cost_analysis counts each while body once; hlo_tflop multiplies "
+        f"loop bodies by their trip counts.", flush=True)
+  rows, details = [], {}
+  for name in names:
+    c = load_config(name)
+    target = TARGETS[name]
+    if args.layers:
+      target = dataclasses.replace(target, num_hidden_layers=min(args.layers, target.num_hidden_layers))
+      layers = target.num_hidden_layers
+      c.head.target_layer_ids = tuple(sorted({min(t, layers - 1) for t in c.head.target_layer_ids}))
+      c.head.num_layers = min(c.head.num_layers, args.layers)
+    programs = [("train", lambda: train_case(name, c, target))]
+    if name in DECODE_CONFIGS and not args.no_decode:
+      programs.append(("decode", lambda: decode_case(name, c, target, args.decode_len, args.budget)))
+    for kind, run in programs:
+      row, info = run()
+      row["fits"] = row["peak_gb"] <= args.budget_gb - args.headroom_gb
+      rows.append(row)
+      details[f"{name}/{kind}"] = info
+      print(table(rows[-1:]), flush=True)
+  print()
+  print(table(rows))
+  result = {"benchmark": NAME, "args": vars(args), "machine": machine_info(), "rows": rows, "details": details,
+            "notes": ["per-device numbers of the SPMD program; peak_gb = args + out - alias + temp",
+                      "XLA:CPU fusion and scheduling differ from XLA:GPU: temporaries are an estimate",
+                      "xla_tflop counts every while body once; hlo_tflop counts loop bodies x trip count",
+                      "decode rows are one round of the data-dependent while loop"]}
+  for path in write_json(result, args.out, NAME):
+    print(f"wrote {path}")
+  return 0 if all(r["fits"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,22 @@
+"""bench/aot_memory.py at CI size: the tiny config's train step and the 30B-A3B train step and decode loop
+with the target and head cut to 2 layers, compiled ahead of time with abstract weights on the 8 fake devices."""
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench import aot_memory  # noqa: E402
+
+
+def test_ci_sized_run_reports_positive_memory_within_the_budget(tmp_path, capsys):
+  out = tmp_path / "aot.json"
+  assert aot_memory.main(["--configs", "tiny,qwen3_30b_a3b", "--layers", "2", "--out", str(out)]) == 0
+  printed = capsys.readouterr().out
+  assert "| config" in printed and "peak_gb" in printed and "XLA:CPU fuses differently" in printed
+  rows = json.loads(out.read_text())["rows"]
+  assert [(r["config"], r["program"].split()[0]) for r in rows] == [
+      ("tiny", "train"), ("qwen3_30b_a3b", "train"), ("qwen3_30b_a3b", "decode")]
+  for r in rows:
+    assert 0 < r["args_gb"] and 0 < r["temp_gb"] and 0 < r["peak_gb"] <= 80 - 10 and r["fits"], r
+    assert r["hlo_tflop"] >= r["xla_tflop"] > 0, r                 # loop bodies times their trip counts
+    assert 0.5 < r["hlo_vs_analytic"] < 2, r
