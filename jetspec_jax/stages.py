@@ -2,9 +2,10 @@
 
 A stage's key hashes four things: its settings, the keys of the stages it reads, the code that
 produces it, and the versions of the libraries that change its numbers. Code is the syntax tree
-(comments and docstrings dropped) of the project modules the stage names, plus every project module
-they import, transitively; so an edit to a module rebuilds exactly the stages that run it, and the
-stages after them through their inputs. The marker of a finished stage records the parts of its
+(comments and docstrings dropped) of what the stage names (project modules, or single definitions
+``module:name`` such as a builder function) plus all project code reached from there: the modules a
+module imports, the definitions and modules a definition names, transitively. So an edit to code a
+stage runs rebuilds exactly that stage, and the stages after it through their inputs. The marker of a finished stage records the parts of its
 key, so a rebuild can say which of them changed.
 """
 from __future__ import annotations
@@ -112,9 +113,9 @@ def _names_used(node: ast.AST) -> set[str]:
 
 
 def _definition_parts(module: str, tree: ast.Module, name: str) -> tuple[str, list[str]]:
-  """(digest of the top-level function, class or constant ``name`` of ``module``, the code it reaches: the module's other
-  top-level functions, classes and constants it names, and project modules, named ``module:name`` or
-  ``module``)."""
+  """(digest of the top-level function, class or constant ``name`` of ``module``, the code it
+  reaches: the module's other top-level functions, classes and constants it names, and project
+  modules, named ``module:name`` or ``module``)."""
   defs = {n.name: n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
   defs.update({t.id: n for n in tree.body if isinstance(n, (ast.Assign, ast.AnnAssign))
                for t in (n.targets if isinstance(n, ast.Assign) else [n.target]) if isinstance(t, ast.Name)})
