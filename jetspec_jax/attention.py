@@ -39,7 +39,9 @@ def resolve_implementation(name: str | None) -> str:
 
 
 def check_available(impl: str) -> None:
-  """The compiled kernel (``pallas``) runs only on a GPU; say so instead of failing inside Pallas."""
+  """The compiled kernel (``pallas``) runs only on a GPU; say so instead of failing inside Pallas.
+  Checked where an implementation is resolved, not in ``attention``, which must still trace the
+  kernel on a CPU for a CUDA lowering (``lowering_platforms=("cuda",)``)."""
   backend = jax.default_backend()
   if impl == "pallas" and backend != "gpu":
     raise JetSpecError(f"the pallas attention kernel needs a GPU but jax's backend is {backend}; use "
@@ -129,7 +131,6 @@ def attention(q, k_cache, v_cache, prefix_len, block_mask, *, impl: str = "xla",
     return chunked_attention(q, k_cache, v_cache, prefix_len, block_mask, sm_scale=sm_scale)
   if impl not in ("pallas", "pallas_interpret"):
     raise JetSpecError(f"unknown attention implementation {impl!r}; choose one of {', '.join(IMPLEMENTATIONS)}")
-  check_available(impl)
   from pallas_kernels import tree_attention as kernel
   fn = functools.partial(kernel.tree_attention, sm_scale=sm_scale, interpret=impl == "pallas_interpret")
   if mesh is not None and mesh.size > 1:
