@@ -220,7 +220,7 @@ class Stage:
     """Which parts of the key differ from the finished output's ([] when none was finished)."""
     meta = self._recorded() or {}
     old = meta.get("key_parts")
-    return [] if old is None else [k for k in self.parts if old.get(k) != self.parts[k]]
+    return [] if old is None else [k for k in self.parts if _digest(old.get(k)) != _digest(self.parts[k])]
 
   def begin(self) -> None:
     started = None
