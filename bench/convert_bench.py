@@ -100,7 +100,8 @@ class LazyParams(dict):
   @classmethod
   def for_config(cls, cfg, seed: int = 0) -> "LazyParams":
     from jetspec_jax.models.qwen3 import param_specs
-    return cls({name: LazyTensor(name, spec.shape, spec.init, seed) for name, spec in param_specs(cfg).items()})
+    return cls({name: LazyTensor(name, spec.shape, "ones" if spec.axes == ("norm",) else "normal", seed)
+                for name, spec in param_specs(cfg).items()})
 
 
 def make_config(name: str, num_layers: int | None = None):

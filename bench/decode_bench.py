@@ -400,7 +400,6 @@ def bench_transfers(args, params, cfg, prompts):
 def main(argv=None) -> int:
   args = parse_args(argv)
   configure_threads(args.threads)
-  import jax
   import jax.numpy as jnp
   import numpy as np
   import torch

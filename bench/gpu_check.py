@@ -326,9 +326,10 @@ def phase_section(model: DecodeModel, *, budgets: tuple[int, ...], attn_impl: st
     tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (1, nodes)), jnp.int32)
 
     def step(params, cache):
-      logits, cache, _ = qwen3.forward(params, cfg, tokens, prefix_len + depths, cache, prefix_len, mask,
-                                       attn_impl=attn_impl)
-      return cache, jnp.argmax(logits, axis=-1)
+      target = qwen3.bind(cfg, params)
+      h, cache, _ = target.hidden(tokens, prefix_len + depths, mask, cache=cache, prefix_len=prefix_len,
+                                  attn_impl=attn_impl)
+      return cache, jnp.argmax(target.logits(h), axis=-1)
     cache = qwen3.init_cache(cfg, 1, prefix + nodes, dtype)
     return dict(ms=1e3 * carried_seconds(step, model.params, cache, **timed))
 
@@ -336,8 +337,8 @@ def phase_section(model: DecodeModel, *, budgets: tuple[int, ...], attn_impl: st
     anchor = jnp.zeros((1,), jnp.int32)
 
     def step(params, cache):
-      logits, cache = draft_head.draft_logits(params[1], head_cfg, params[0], cfg, cache, prefix_len, anchor,
-                                              attn_impl=attn_impl)
+      head = draft_head.bind(head_cfg, params[1])
+      logits, cache = head.draft_logits(qwen3.bind(cfg, params[0]), cache, prefix_len, anchor, attn_impl=attn_impl)
       return cache, logits
     cache = draft_head.init_context_cache(head_cfg, 1, prefix + head_cfg.block_size, dtype)
     return dict(ms=1e3 * carried_seconds(step, (model.params, model.head), cache, **timed))

@@ -29,11 +29,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run as a script
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+from flax import nnx  # noqa: E402
 
 from bench.common import hlo_dot_flops, largest_array, machine_info, median, table, timed, write_json  # noqa: E402
 from jetspec_jax.config import Qwen3Config  # noqa: E402
 from jetspec_jax.models import moe  # noqa: E402
 from jetspec_jax.models.layers import swiglu  # noqa: E402
+from jetspec_jax.models.params import flat_params  # noqa: E402
 
 NAME = "moe_bench"
 def config(hidden: int, intermediate: int, experts: int, top_k: int) -> Qwen3Config:
@@ -44,10 +46,8 @@ def config(hidden: int, intermediate: int, experts: int, top_k: int) -> Qwen3Con
 
 
 def random_layer(cfg: Qwen3Config, dtype, key) -> dict[str, jax.Array]:
-  specs = moe.moe_specs("", cfg)
-  keys = jax.random.split(key, len(specs))
-  return {n: (0.02 * jax.random.normal(k, specs[n].shape, jnp.float32)).astype(dtype)
-          for k, n in zip(keys, sorted(specs))}
+  """The weights of one ``moe.MoE`` block: {router, gate, up, down}."""
+  return flat_params(moe.MoE(cfg, dtype=dtype, rngs=nnx.Rngs(key)))
 
 
 def ragged_layer(x, params, cfg: Qwen3Config):
@@ -58,7 +58,7 @@ def ragged_layer(x, params, cfg: Qwen3Config):
   order = jnp.argsort(flat, stable=True)
   sizes = jnp.bincount(flat, length=cfg.num_experts).astype(jnp.int32)
   xs = tokens[order // cfg.num_experts_per_tok]
-  g, u, d = (params["experts." + w] for w in moe.WEIGHTS)
+  g, u, d = (params[w] for w in moe.WEIGHTS)
   h = jax.nn.silu(jax.lax.ragged_dot(xs, g, sizes)) * jax.lax.ragged_dot(xs, u, sizes)
   out = jax.lax.ragged_dot(h, d, sizes) * top_w.reshape(-1)[order][:, None]
   return jnp.zeros_like(tokens).at[order // cfg.num_experts_per_tok].add(out)
@@ -74,7 +74,7 @@ def measure(cfg: Qwen3Config, params, m: int, dtype, repeats: int, ragged: bool)
   h, i, k, e = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok, cfg.num_experts
   x = jax.random.normal(jax.random.key(m), (1, m, h), jnp.float32).astype(dtype)
   routed = 2 * m * k * 3 * h * i
-  layer = jax.jit(lambda x, p: moe.moe_mlp(x, p, "", cfg))
+  layer = jax.jit(lambda x, p: moe.moe_mlp(x, p["router"], *(p[w] for w in moe.WEIGHTS), cfg))
   compiled = layer.lower(x, params).compile()
   tile = moe.tile_rows(m * k, e)
   row = {"tokens": m, "rows": m * k, "tile": tile, "capacity": moe.capacity(m * k, e, tile),
@@ -87,7 +87,7 @@ def measure(cfg: Qwen3Config, params, m: int, dtype, repeats: int, ragged: bool)
   row["run_ratio"] = float(jnp.sum(-(-counts // tile)) * tile / (m * k))
   row["ms"] = 1e3 * run_timed(compiled, (x, params), repeats)
   xr = jax.random.normal(jax.random.key(0), (m * k, h), jnp.float32).astype(dtype)
-  w = [params["experts." + n][0] for n in moe.WEIGHTS]
+  w = [params[n][0] for n in moe.WEIGHTS]
   row["dense_ms"] = 1e3 * run_timed(jax.jit(swiglu), (xr, *w), repeats)
   row["vs_dense"] = row["ms"] / row["dense_ms"]
   if ragged:

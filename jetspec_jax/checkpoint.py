@@ -10,7 +10,7 @@ import jax
 import orbax.checkpoint as ocp
 
 from jetspec_jax.errors import JetSpecError
-from jetspec_jax.models.layers import ParamSpec
+from jetspec_jax.models.params import ParamSpec
 from jetspec_jax.sharding import named_sharding
 
 
@@ -45,6 +45,10 @@ def atomic_directory(out_dir: str, overwrite: bool = False):
     raise
 
 
+# Names that only the flat layout before the NNX model used (now ``final_norm.weight`` and ``layers.0.attn.q_proj``).
+LEGACY_NAMES = ("final_norm", "layers.0.q_proj")
+
+
 def save_params(path: str, params: dict[str, jax.Array]) -> None:
   """Save a flat weight dict with orbax at ``path`` (which must not exist); blocks until done."""
   # Bounded write concurrency and no OCDBT: orbax's defaults buffer up to ~0.7x the model in host
@@ -68,6 +72,9 @@ def restore_params(path: str, specs: dict[str, ParamSpec], dtype, mesh=None) -> 
     stored = None
   if stored is None:
     raise JetSpecError(f"checkpoint weights at {path} are not a readable orbax checkpoint")
+  if any(name in stored for name in LEGACY_NAMES) and not any(name in specs for name in LEGACY_NAMES):
+    raise JetSpecError(f"checkpoint {path} was written by an older JetSpec-JAX (weights named before the Flax NNX "
+                       f"model); re-run `jetspec-jax convert` on its Hugging Face directory")
   missing = sorted(set(specs) - set(stored))
   extra = sorted(set(stored) - set(specs))
   if missing or extra:

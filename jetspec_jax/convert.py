@@ -1,5 +1,6 @@
 """Hugging Face <-> JetSpec-JAX weights: ONE mapping table, read forwards to import and backwards
-to export.
+to export. Its keys are the models' parameter names, i.e. their NNX module paths
+(``layers.3.attn.q_proj``, see ``models.params``).
 
 Import streams tensors from (sharded) safetensors one at a time straight into their shardings
 (``jax.make_array_from_callback``: each process materialises only its own shards), so a model is
@@ -28,7 +29,7 @@ from safetensors import SafetensorError, safe_open
 from jetspec_jax.checkpoint import atomic_directory, check_output_dir, restore_params, save_params
 from jetspec_jax.config import Qwen3Config, load_hf_config, read_json
 from jetspec_jax.errors import JetSpecError
-from jetspec_jax.models.layers import ParamSpec
+from jetspec_jax.models.params import ParamSpec
 from jetspec_jax.sharding import named_sharding
 from jetspec_jax.tokenizer import hf4_tokenizer_config
 
@@ -74,15 +75,16 @@ def _stacked_experts(name, hf_keys):
 
 
 def attention_mappings(pre: str, hf: str, num_heads: int, num_kv: int, head_dim: int) -> list[Mapping]:
-  """q/k/v/o projections and q/k norms of one attention block (target and draft head alike)."""
-  return [_in_proj(pre + "q_proj", hf + "self_attn.q_proj.weight", num_heads, head_dim),
-          _in_proj(pre + "k_proj", hf + "self_attn.k_proj.weight", num_kv, head_dim),
-          _in_proj(pre + "v_proj", hf + "self_attn.v_proj.weight", num_kv, head_dim),
-          _out_proj(pre + "o_proj", hf + "self_attn.o_proj.weight", num_heads, head_dim),
-          _identity(pre + "q_norm", hf + "self_attn.q_norm.weight"),
-          _identity(pre + "k_norm", hf + "self_attn.k_norm.weight"),
-          _identity(pre + "input_norm", hf + "input_layernorm.weight"),
-          _identity(pre + "post_attn_norm", hf + "post_attention_layernorm.weight")]
+  """q/k/v/o projections and q/k norms of one decoder layer ``pre`` and both its pre-norms (target and
+  draft head alike)."""
+  return [_in_proj(pre + "attn.q_proj", hf + "self_attn.q_proj.weight", num_heads, head_dim),
+          _in_proj(pre + "attn.k_proj", hf + "self_attn.k_proj.weight", num_kv, head_dim),
+          _in_proj(pre + "attn.v_proj", hf + "self_attn.v_proj.weight", num_kv, head_dim),
+          _out_proj(pre + "attn.o_proj", hf + "self_attn.o_proj.weight", num_heads, head_dim),
+          _identity(pre + "attn.q_norm.weight", hf + "self_attn.q_norm.weight"),
+          _identity(pre + "attn.k_norm.weight", hf + "self_attn.k_norm.weight"),
+          _identity(pre + "input_norm.weight", hf + "input_layernorm.weight"),
+          _identity(pre + "post_attn_norm.weight", hf + "post_attention_layernorm.weight")]
 
 
 def dense_mlp_mappings(pre: str, hf: str) -> list[Mapping]:
@@ -91,16 +93,16 @@ def dense_mlp_mappings(pre: str, hf: str) -> list[Mapping]:
 
 def target_mappings(cfg: Qwen3Config) -> list[Mapping]:
   """The table for a Qwen3 / Qwen3-MoE target (``lm_head`` only when untied)."""
-  table = [_identity("embed", "model.embed_tokens.weight"), _identity("final_norm", "model.norm.weight")]
+  table = [_identity("embed", "model.embed_tokens.weight"), _identity("final_norm.weight", "model.norm.weight")]
   if not cfg.tie_word_embeddings:
     table.append(_transposed("lm_head", "lm_head.weight"))
   for i in range(cfg.num_hidden_layers):
     pre, hf = f"layers.{i}.", f"model.layers.{i}."
     table += attention_mappings(pre, hf, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
     if cfg.is_moe_layer(i):
-      table.append(_transposed(pre + "router", hf + "mlp.gate.weight"))
+      table.append(_transposed(pre + "mlp.router", hf + "mlp.gate.weight"))
       for p in ("gate", "up", "down"):
-        table.append(_stacked_experts(pre + f"experts.{p}",
+        table.append(_stacked_experts(pre + f"mlp.{p}",
                                       [hf + f"mlp.experts.{e}.{p}_proj.weight" for e in range(cfg.num_experts)]))
     else:
       table += dense_mlp_mappings(pre, hf)
@@ -365,8 +367,8 @@ def export_hf(ckpt_dir: str, out_dir: str, shard_bytes: int = DEFAULT_SHARD_BYTE
 
 def head_mappings(head_cfg) -> list[Mapping]:
   """The table for a JetSpec / DFlash draft head (published key names, no embed / lm_head)."""
-  table = [_transposed("fc", "fc.weight"), _identity("hidden_norm", "hidden_norm.weight"),
-           _identity("final_norm", "norm.weight")]
+  table = [_transposed("fc", "fc.weight"), _identity("hidden_norm.weight", "hidden_norm.weight"),
+           _identity("final_norm.weight", "norm.weight")]
   for i in range(head_cfg.num_hidden_layers):
     pre = f"layers.{i}."
     table += attention_mappings(pre, pre, head_cfg.num_attention_heads, head_cfg.num_key_value_heads,

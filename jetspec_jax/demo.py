@@ -98,9 +98,9 @@ def _transformers_logits_error(hf_dir: str, cfg, params) -> float:
   ids = np.arange(1, 33, dtype=np.int32)[None] % cfg.vocab_size
   with torch.no_grad():
     ref = model(torch.tensor(ids, dtype=torch.long)).logits.numpy()
-  cache = qwen3.init_cache(cfg, 1, ids.shape[1], jnp.float32)
-  ours, _, _ = qwen3.forward(params, cfg, jnp.asarray(ids), jnp.arange(ids.shape[1])[None], cache,
-                             jnp.zeros(1, jnp.int32), qwen3.causal_mask(1, ids.shape[1]))
+  target = qwen3.bind(cfg, params)
+  h, _, _ = target.hidden(jnp.asarray(ids), jnp.arange(ids.shape[1])[None], qwen3.causal_mask(1, ids.shape[1]))
+  ours = target.logits(h)
   return float(np.abs(np.asarray(ours) - ref).max())
 
 

@@ -2,9 +2,9 @@
 
 Mesh axes: ``data`` (batch) and ``model`` (tensor parallel: heads, MLP, vocabulary; whole MoE experts
 under expert parallelism).
-Each weight declares logical axis names (see ``models.qwen3.param_specs``); ``RULES`` maps a
-logical name to a mesh axis. A dimension the mesh axis does not divide is replicated when the
-logical axis is in ``REPLICATE_IF_INDIVISIBLE`` (KV heads, vocabulary, batch) and is an error
+Each weight declares logical axis names (its ``nnx.Param``'s ``logical_axes``, see ``models.params``);
+``RULES`` maps a logical name to a mesh axis. A dimension the mesh axis does not divide is replicated
+when the logical axis is in ``REPLICATE_IF_INDIVISIBLE`` (KV heads, vocabulary, batch) and is an error
 otherwise (query heads, MLP width).
 """
 from __future__ import annotations

@@ -73,7 +73,7 @@ def test_speculative_loop_on_a_2x2_mesh(impl):
   mesh = make_mesh(2, 2, jax.devices()[:4])
   tp = place(tp, qwen3.param_specs(CFG), mesh)
   hp = place(hp, draft_head.param_specs(hcfg), mesh)
-  assert "model" in str(tp["layers.0.q_proj"].sharding.spec)
+  assert "model" in str(tp["layers.0.attn.q_proj"].sharding.spec)
   out = generate_speculative(tp, CFG, hp, hcfg, PROMPTS, max_new_tokens=10, tree_cfg=TREE, attn_impl=impl,
                              mesh=mesh)
   assert out["token_ids"] == reference()
@@ -113,7 +113,7 @@ def test_decode_loops_lower_for_cuda_with_the_kernel(triton_modules):
                             jax.random.key(0), cfg=CFG, max_new_tokens=10, eos_ids=(), temperature=0.0,
                             attn_impl="xla", tap_layers=hcfg.target_layer_ids)
   draft_cache = speculative.prefill_context(hp, draft_head.init_context_cache(hcfg, 2, draft_len, hp["fc"].dtype),
-                                            taps, cfg=CFG, head_cfg=hcfg)
+                                            taps, head_cfg=hcfg)
   state = speculative.SpecState(base=base, draft_cache=draft_cache, rounds=jax.numpy.zeros((2,), "int32"),
                                 depth_hist=jax.numpy.zeros((2, TREE.depth + 1), "int32"))
   lowered = {

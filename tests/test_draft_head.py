@@ -1,6 +1,5 @@
 """Draft head: equations vs an independent float64 NumPy implementation, HF format round trip."""
 import json
-import os
 
 import jax
 import jax.numpy as jnp
@@ -49,17 +48,17 @@ def reference_logits(hp, cfg, tp, feats, anchor):
   f64 = lambda a: np.asarray(a, np.float64)
   hp, tp = {k: f64(v) for k, v in hp.items()}, {k: f64(v) for k, v in tp.items()}
   eps, bs, c = cfg.rms_norm_eps, cfg.block_size, feats.shape[0]
-  ctx = _rms(f64(feats) @ hp["fc"], hp["hidden_norm"], eps)
+  ctx = _rms(f64(feats) @ hp["fc"], hp["hidden_norm.weight"], eps)
   x = tp["embed"][[anchor] + [cfg.mask_token_id] * (bs - 1)]
   ctx_pos, blk_pos = np.arange(c), c + np.arange(bs)
   group = cfg.num_attention_heads // cfg.num_key_value_heads
   for i in range(cfg.num_hidden_layers):
     p = lambda n: hp[f"layers.{i}.{n}"]
-    h = _rms(x, p("input_norm"), eps)
-    q = _rope(_rms(np.einsum("th,hnd->tnd", h, p("q_proj")), p("q_norm"), eps), blk_pos, cfg.rope_theta)
-    k = np.concatenate([np.einsum("th,hnd->tnd", ctx, p("k_proj")), np.einsum("th,hnd->tnd", h, p("k_proj"))])
-    v = np.concatenate([np.einsum("th,hnd->tnd", ctx, p("v_proj")), np.einsum("th,hnd->tnd", h, p("v_proj"))])
-    k = _rope(_rms(k, p("k_norm"), eps), np.concatenate([ctx_pos, blk_pos]), cfg.rope_theta)
+    h = _rms(x, p("input_norm.weight"), eps)
+    q = _rope(_rms(np.einsum("th,hnd->tnd", h, p("attn.q_proj")), p("attn.q_norm.weight"), eps), blk_pos, cfg.rope_theta)
+    k = np.concatenate([np.einsum("th,hnd->tnd", ctx, p("attn.k_proj")), np.einsum("th,hnd->tnd", h, p("attn.k_proj"))])
+    v = np.concatenate([np.einsum("th,hnd->tnd", ctx, p("attn.v_proj")), np.einsum("th,hnd->tnd", h, p("attn.v_proj"))])
+    k = _rope(_rms(k, p("attn.k_norm.weight"), eps), np.concatenate([ctx_pos, blk_pos]), cfg.rope_theta)
     out = np.zeros_like(q)
     for head in range(cfg.num_attention_heads):
       kv = head // group
@@ -70,11 +69,11 @@ def reference_logits(hp, cfg, tp, feats, anchor):
       s = np.where(allowed, s, -np.inf)
       w = np.exp(s - s.max(-1, keepdims=True))
       out[:, head] = (w / w.sum(-1, keepdims=True)) @ v[:, kv]
-    x = x + np.einsum("tnd,ndh->th", out, p("o_proj"))
-    h = _rms(x, p("post_attn_norm"), eps)
+    x = x + np.einsum("tnd,ndh->th", out, p("attn.o_proj"))
+    h = _rms(x, p("post_attn_norm.weight"), eps)
     g = h @ p("mlp.gate")
     x = x + ((g / (1 + np.exp(-g))) * (h @ p("mlp.up"))) @ p("mlp.down")
-  x = _rms(x, hp["final_norm"], eps)
+  x = _rms(x, hp["final_norm.weight"], eps)
   return x[1:] @ tp["lm_head"]
 
 
@@ -87,8 +86,9 @@ def test_logits_match_float64_numpy(causal):
   feats = rng.normal(size=(2, 7, len(cfg.target_layer_ids) * TARGET.hidden_size)).astype(np.float32)
   anchor = np.array([5, 17], np.int32)
   cache = draft_head.init_context_cache(cfg, 2, 16, jnp.float32)
-  cache = draft_head.append_context(hp, cfg, cache, jnp.asarray(feats), jnp.zeros(2, jnp.int32))
-  logits, _ = draft_head.draft_logits(hp, cfg, tp, TARGET, cache, jnp.asarray(ctx_lens), jnp.asarray(anchor))
+  cache = draft_head.bind(cfg, hp).append_context(cache, jnp.asarray(feats), jnp.zeros(2, jnp.int32))
+  logits, _ = draft_head.bind(cfg, hp).draft_logits(qwen3.bind(TARGET, tp), cache, jnp.asarray(ctx_lens),
+                                                    jnp.asarray(anchor))
   assert logits.shape == (2, cfg.block_size - 1, TARGET.vocab_size)
   for b in range(2):
     ref = reference_logits(hp, cfg, tp, feats[b, :ctx_lens[b]], int(anchor[b]))
@@ -99,14 +99,14 @@ def test_context_cache_appended_in_chunks_equals_one_shot():
   cfg, hp = make_head()
   tp = target_params()
   feats = jnp.asarray(np.random.default_rng(1).normal(size=(1, 9, 2 * TARGET.hidden_size)), jnp.float32)
-  one = draft_head.append_context(hp, cfg, draft_head.init_context_cache(cfg, 1, 20, jnp.float32), feats,
+  one = draft_head.bind(cfg, hp).append_context(draft_head.init_context_cache(cfg, 1, 20, jnp.float32), feats,
                                   jnp.zeros(1, jnp.int32))
   chunks = draft_head.init_context_cache(cfg, 1, 20, jnp.float32)
   for start, stop in [(0, 4), (4, 5), (5, 9)]:
-    chunks = draft_head.append_context(hp, cfg, chunks, feats[:, start:stop], jnp.array([start]))
+    chunks = draft_head.bind(cfg, hp).append_context(chunks, feats[:, start:stop], jnp.array([start]))
   anchor, ctx_len = jnp.array([3]), jnp.array([9])
-  a, _ = draft_head.draft_logits(hp, cfg, tp, TARGET, one, ctx_len, anchor)
-  b, _ = draft_head.draft_logits(hp, cfg, tp, TARGET, chunks, ctx_len, anchor)
+  a, _ = draft_head.bind(cfg, hp).draft_logits(qwen3.bind(TARGET, tp), one, ctx_len, anchor)
+  b, _ = draft_head.bind(cfg, hp).draft_logits(qwen3.bind(TARGET, tp), chunks, ctx_len, anchor)
   np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
 
 
@@ -147,8 +147,9 @@ def test_hf_format_round_trip(tmp_path, dtype):
   feats = jnp.ones((1, 4, 2 * TARGET.hidden_size), dtype)
   outs = []
   for p in (hp, hp2):
-    c = draft_head.append_context(p, cfg, cache, feats, jnp.zeros(1, jnp.int32))
-    outs.append(np.asarray(draft_head.draft_logits(p, cfg, tp, TARGET, c, jnp.array([4]), jnp.array([2]))[0]))
+    c = draft_head.bind(cfg, p).append_context(cache, feats, jnp.zeros(1, jnp.int32))
+    logits, _ = draft_head.bind(cfg, p).draft_logits(qwen3.bind(TARGET, tp), c, jnp.array([4]), jnp.array([2]))
+    outs.append(np.asarray(logits))
   np.testing.assert_array_equal(outs[0], outs[1])
 
 

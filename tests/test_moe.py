@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from flax import nnx
 from jax.sharding import NamedSharding
 
 import hf_fixtures
@@ -20,6 +21,7 @@ from jetspec_jax.config import Qwen3Config
 from jetspec_jax.decode.loop import generate_ar
 from jetspec_jax.decode.speculative import TreeConfig, generate_speculative
 from jetspec_jax.models import draft_head, moe, qwen3
+from jetspec_jax.models.params import declared_specs
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.moe_bench import hlo_dot_flops, largest_array  # noqa: E402
@@ -101,13 +103,13 @@ def test_block_matches_transformers(norm):
   inter = hf_cfg.moe_intermediate_size
   gate_up = block.experts.gate_up_proj.detach().numpy()
   params = {"router": block.gate.weight.detach().numpy().T,
-            "experts.gate": gate_up[:, :inter].transpose(0, 2, 1), "experts.up": gate_up[:, inter:].transpose(0, 2, 1),
-            "experts.down": block.experts.down_proj.detach().numpy().transpose(0, 2, 1)}
+            "gate": gate_up[:, :inter].transpose(0, 2, 1), "up": gate_up[:, inter:].transpose(0, 2, 1),
+            "down": block.experts.down_proj.detach().numpy().transpose(0, 2, 1)}
   cfg = Qwen3Config(vocab_size=8, hidden_size=hf_cfg.hidden_size, intermediate_size=8, num_hidden_layers=1,
                     num_attention_heads=1, num_key_value_heads=1, head_dim=8, num_experts=32, num_experts_per_tok=4,
                     moe_intermediate_size=inter, norm_topk_prob=norm)
   assert moe.tile_rows(200 * 4, 32) > 1
-  out = jax.jit(lambda x, p: moe.moe_mlp(x, p, "", cfg))(x.numpy(), params)
+  out = jax.jit(layer_fn(cfg))(x.numpy(), params)
   np.testing.assert_allclose(out, ref, rtol=0, atol=1e-5)
 
 
@@ -131,6 +133,15 @@ def test_gradient_flows_through_the_dispatch():
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 
 
+def layer_fn(cfg, mesh=None):
+  """One ``moe.MoE`` block's forward over its weights {router, gate, up, down}."""
+  return lambda x, p: moe.moe_mlp(x, p["router"], p["gate"], p["up"], p["down"], cfg, mesh)
+
+
+def layer_specs(cfg):
+  return declared_specs(nnx.eval_shape(lambda: moe.MoE(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0))))
+
+
 def layer_config(hidden, inter, experts, k):
   return Qwen3Config(vocab_size=8, hidden_size=hidden, intermediate_size=8, num_hidden_layers=1,
                      num_attention_heads=1, num_key_value_heads=1, head_dim=8, num_experts=experts,
@@ -138,8 +149,8 @@ def layer_config(hidden, inter, experts, k):
 
 
 def compiled_layer(cfg, m, fn=None):
-  fn = fn or (lambda x, p: moe.moe_mlp(x, p, "", cfg))
-  specs = moe.moe_specs("", cfg)
+  fn = fn or layer_fn(cfg)
+  specs = layer_specs(cfg)
   params = {n: jax.ShapeDtypeStruct(s.shape, jnp.float32) for n, s in specs.items()}
   return jax.jit(fn).lower(jax.ShapeDtypeStruct((1, m, cfg.hidden_size), jnp.float32), params).compile()
 
@@ -176,7 +187,7 @@ def test_cost_check_catches_the_dense_expansion():
     _, top_i = moe.route(tokens, p["router"], k, True)
     order = jnp.argsort(top_i.reshape(-1))
     sizes = jnp.bincount(top_i.reshape(-1), length=e).astype(jnp.int32)
-    return jax.lax.ragged_dot(tokens[order // k], p["experts.gate"], sizes)
+    return jax.lax.ragged_dot(tokens[order // k], p["gate"], sizes)
 
   text = compiled_layer(cfg, m, ragged).as_text()
   assert hlo_dot_flops(text) > 100 * 2 * m * k * h * i
@@ -242,16 +253,16 @@ LAYOUTS = [(2, 4, False), (4, 2, False), (2, 4, True), (4, 2, True)]
 @pytest.mark.parametrize("data,model,ep", LAYOUTS, ids=[f"{d}x{m}{'-ep' if ep else ''}" for d, m, ep in LAYOUTS])
 def test_sharded_layer_equals_unsharded_and_routes_locally(data, model, ep):
   cfg = dataclasses.replace(layer_config(32, 16, 8, 2), expert_parallel=ep)
-  specs = moe.moe_specs("", cfg)
+  specs = layer_specs(cfg)
   keys = jax.random.split(jax.random.key(0), len(specs))
   params = {n: 0.3 * jax.random.normal(kk, specs[n].shape) for kk, n in zip(keys, sorted(specs))}
   x = jax.random.normal(jax.random.key(1), (8, 6, cfg.hidden_size))
-  ref = jax.jit(lambda x, p: moe.moe_mlp(x, p, "", cfg))(x, params)
+  ref = jax.jit(layer_fn(cfg))(x, params)
   mesh = sharding.make_mesh(data, model)
   sp = sharded_params(specs, params, mesh)
-  assert ("model" in tuple(sp["experts.gate"].sharding.spec)[:1]) == ep
+  assert ("model" in tuple(sp["gate"].sharding.spec)[:1]) == ep
   xs = jax.device_put(x, NamedSharding(mesh, sharding.logical_to_spec(("batch", "seq", "embed"), x.shape, mesh)))
-  fn = jax.jit(lambda x, p: moe.moe_mlp(x, p, "", cfg, mesh))
+  fn = jax.jit(layer_fn(cfg, mesh))
   np.testing.assert_allclose(fn(xs, sp), ref, rtol=0, atol=1e-5)
   assert cross_data_collectives(fn.lower(xs, sp).compile().as_text(), mesh) == []
 
@@ -261,13 +272,13 @@ def test_global_dispatch_would_cross_the_data_axis():
   """Control for the check above: the same layer left to the SPMD partitioner (no shard_map) sorts
   the global batch: the [B*T*k] = [96] expert ids are all-gathered over the data axis."""
   cfg = layer_config(32, 16, 8, 2)
-  specs = moe.moe_specs("", cfg)
+  specs = layer_specs(cfg)
   params = {n: jnp.ones(s.shape) for n, s in specs.items()}
   mesh = sharding.make_mesh(2, 4)
   sp = sharded_params(specs, params, mesh)
   xs = jax.device_put(jnp.ones((8, 6, 32)), NamedSharding(mesh, sharding.logical_to_spec(("batch", "seq", "embed"),
                                                                                           (8, 6, 32), mesh)))
-  text = jax.jit(lambda x, p: moe.moe_mlp(x, p, "", cfg)).lower(xs, sp).compile().as_text()
+  text = jax.jit(layer_fn(cfg)).lower(xs, sp).compile().as_text()
   assert any(re.search(r"= s32\[96\]\S* all-gather", line) for line in cross_data_collectives(text, mesh))
 
 
@@ -281,7 +292,7 @@ def test_expert_parallel_forward_equals_unsharded(hf_dir, jax_target):
   assert "expert_parallel" not in ep.to_hf_dict()
   mesh = sharding.make_mesh(2, 4)
   params = sharded_params(qwen3.param_specs(ep), ref_params, mesh)
-  assert params["layers.0.experts.down"].addressable_shards[0].data.shape[0] == 1
+  assert params["layers.0.mlp.down"].addressable_shards[0].data.shape[0] == 1
   logits, _ = hf_fixtures.jax_forward(params, ep, tokens, mesh=mesh)
   np.testing.assert_allclose(logits, ref, rtol=0, atol=1e-5)
 

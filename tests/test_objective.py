@@ -10,7 +10,7 @@ import pytest
 from jetspec_jax.config import Qwen3Config
 from jetspec_jax.errors import JetSpecError
 from jetspec_jax.models import draft_head, qwen3
-from jetspec_jax.models.layers import attention_block, rms_norm, swiglu
+from jetspec_jax.models.layers import rms_norm, swiglu
 from jetspec_jax.train import objective
 
 TARGET = Qwen3Config(vocab_size=50, hidden_size=24, intermediate_size=40, num_hidden_layers=1,
@@ -40,7 +40,7 @@ def target_params():
 
 
 # Jitted once per module so tests with the same shapes and options share compilations.
-block_hidden = jax.jit(objective.head_block_hidden, static_argnums=1)
+block_hidden = jax.jit(objective.head_block_hidden, static_argnums=(1, 3))
 draft_loss = jax.jit(objective.draft_loss, static_argnums=(1, 3),
                      static_argnames=("loss", "temperature", "gamma", "chunk_size"))
 
@@ -110,28 +110,27 @@ def dense_head_hidden(hp, cfg, tp, features, tokens, anchors, visible):
   """The head over the packed sequence [L context rows, A blocks] under a dense visibility mask
   [B, A*bs, L + A*bs], with k/v projected from concat[ctx, h] as the architecture states it."""
   num = anchors.shape[1]
-  ctx = draft_head.fuse_features(hp, cfg, features)
+  head = draft_head.bind(cfg, hp)
+  ctx = head.fuse(features)
   block_tokens = jnp.concatenate([jnp.take_along_axis(tokens, anchors, 1)[..., None],
                                   jnp.full((B, num, BS - 1), cfg.mask_token_id)], -1).reshape(B, -1)
   blk_pos = (anchors[..., None] + jnp.arange(BS)).reshape(B, -1)
   kv_pos = jnp.concatenate([jnp.broadcast_to(jnp.arange(L), (B, L)), blk_pos], axis=1)
   x = tp["embed"][block_tokens]
   group = cfg.num_attention_heads // cfg.num_key_value_heads
-  for i in range(cfg.num_hidden_layers):
+  for i, layer in enumerate(head.layers):
     pre = f"layers.{i}."
-    h = rms_norm(x, hp[pre + "input_norm"], cfg.rms_norm_eps)
-    q, k, v = attention_block(h, jnp.concatenate([ctx, h], axis=1), lambda n: hp[pre + n],
-                              num_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads,
-                              head_dim=cfg.head_dim, eps=cfg.rms_norm_eps, theta=cfg.rope_theta,
-                              q_positions=blk_pos, kv_positions=kv_pos)
+    h = rms_norm(x, hp[pre + "input_norm.weight"], cfg.rms_norm_eps)
+    q = layer.attn.queries(h, blk_pos)
+    k, v = layer.attn.keys_values(jnp.concatenate([ctx, h], axis=1), kv_pos)
     k, v = jnp.repeat(k, group, axis=1), jnp.repeat(v, group, axis=1)         # [B, Hq, L + A*bs, Dh]
     s = jnp.einsum("btnd,bnsd->bnts", q, k) / np.sqrt(cfg.head_dim)
     w = jax.nn.softmax(jnp.where(visible[:, None], s, -jnp.inf), axis=-1)
     attn = jnp.einsum("bnts,bnsd->btnd", w, v)
-    x = x + jnp.einsum("btnd,ndh->bth", attn, hp[pre + "o_proj"])
-    h = rms_norm(x, hp[pre + "post_attn_norm"], cfg.rms_norm_eps)
+    x = x + jnp.einsum("btnd,ndh->bth", attn, hp[pre + "attn.o_proj"])
+    h = rms_norm(x, hp[pre + "post_attn_norm.weight"], cfg.rms_norm_eps)
     x = x + swiglu(h, hp[pre + "mlp.gate"], hp[pre + "mlp.up"], hp[pre + "mlp.down"])
-  return rms_norm(x, hp["final_norm"], cfg.rms_norm_eps).reshape(B, num, BS, -1)
+  return rms_norm(x, hp["final_norm.weight"], cfg.rms_norm_eps).reshape(B, num, BS, -1)
 
 
 @pytest.mark.parametrize("causal", [True, False])
@@ -140,7 +139,7 @@ def test_block_attention_equals_dense_mask(causal):
   tp = target_params()
   tokens, features, _ = batch_data()
   anchors = np.array([[5, 11, 17, 20, 0], [2, 9, 14, 21, 23]], np.int32)   # incl. p=0 and p=L-1
-  got = block_hidden(hp, cfg, tp, features, tokens, anchors)
+  got = block_hidden(hp, cfg, tp, TARGET, features, tokens, anchors)
   assert got.shape == (B, 5, BS, TARGET.hidden_size)
   ref = dense_head_hidden(hp, cfg, tp, features, tokens, anchors, dense_visibility(anchors, causal))
   np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-5, atol=1e-5)
@@ -154,17 +153,18 @@ def test_block_hidden_equals_inference_draft_hidden(causal):
   tokens, features, _ = batch_data(1)
   anchors, valid = map(np.asarray, objective.sample_anchors(jax.random.key(7), jnp.asarray(loss_mask()), 5))
   assert valid.all()
-  got = np.asarray(block_hidden(hp, cfg, tp, features, tokens, anchors))
-  append = jax.jit(draft_head.append_context, static_argnums=1)
-  infer = jax.jit(draft_head.draft_hidden, static_argnums=1)
+  got = np.asarray(block_hidden(hp, cfg, tp, TARGET, features, tokens, anchors))
+  append = jax.jit(lambda hp, cache, feats, start: draft_head.bind(cfg, hp).append_context(cache, feats, start))
+  infer = jax.jit(lambda hp, tp, cache, ctx_len, anchor: draft_head.bind(cfg, hp).draft_hidden(
+      qwen3.bind(TARGET, tp), cache, ctx_len, anchor))
   rows = np.arange(L)[None, :, None]
   for a in range(anchors.shape[1]):
     p = anchors[:, a]
     # Rows >= p are replaced by unrelated noise: the inference context is exactly rows 0..p-1.
     poisoned = np.where(rows < p[:, None, None], features, np.random.default_rng(a).normal(size=features.shape))
-    cache = append(hp, cfg, draft_head.init_context_cache(cfg, B, L + BS, jnp.float32),
+    cache = append(hp, draft_head.init_context_cache(cfg, B, L + BS, jnp.float32),
                    jnp.asarray(poisoned, jnp.float32), jnp.zeros(B, jnp.int32))
-    ref, _ = infer(hp, cfg, tp, cache, jnp.asarray(p), jnp.asarray(tokens[np.arange(B), p]))
+    ref, _ = infer(hp, tp, cache, jnp.asarray(p), jnp.asarray(tokens[np.arange(B), p]))
     for b in np.flatnonzero(valid[:, a]):
       np.testing.assert_allclose(got[b, a], np.asarray(ref[b]), rtol=1e-5, atol=1e-5)
 
@@ -210,7 +210,7 @@ def test_loss_equals_float64_reference(loss, temperature, gamma):
   args = tuple(map(jnp.asarray, (features, target_hidden, tokens, mask, ANCHORS, ANCHOR_VALID)))
   value, metrics = draft_loss(hp, cfg, tp, TARGET, *args, loss=loss, temperature=temperature, gamma=gamma,
                               chunk_size=2)
-  hidden = np.asarray(block_hidden(hp, cfg, tp, args[0], args[2], args[4]))
+  hidden = np.asarray(block_hidden(hp, cfg, tp, TARGET, args[0], args[2], args[4]))
   ref_loss, ref_term, ref_acc, ref_count = reference_loss(hidden, target_hidden, tokens, mask, loss,
                                                           temperature, gamma)
   assert ref_count == 19 and ref_loss > 0.1
@@ -308,8 +308,8 @@ def test_packed_row_gives_the_sums_of_its_conversations_in_separate_rows():
   assert float(pk_m["num_valid"]) == float(sep_m["num_valid"]) == 3 + 4 + 4 + 2
   np.testing.assert_allclose(float(pk_value), float(sep_value), rtol=1e-5)
   np.testing.assert_allclose(np.asarray(pk_m["top1_acc"]), np.asarray(sep_m["top1_acc"]), atol=1e-6)
-  pk_states = np.asarray(block_hidden(hp, cfg, tp, pk_feats, packed, pk_anchors, pk_seg, pk_pos))
-  sep_states = np.asarray(block_hidden(hp, cfg, tp, sep_feats, separate, sep_anchors, sep_seg, sep_pos))
+  pk_states = np.asarray(block_hidden(hp, cfg, tp, TARGET, pk_feats, packed, pk_anchors, pk_seg, pk_pos))
+  sep_states = np.asarray(block_hidden(hp, cfg, tp, TARGET, sep_feats, separate, sep_anchors, sep_seg, sep_pos))
   np.testing.assert_allclose(pk_states[0], sep_states.reshape(4, BS, -1), rtol=1e-5, atol=1e-5)
 
 

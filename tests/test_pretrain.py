@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import hf_fixtures
 from jetspec_jax import convert
 from jetspec_jax.config import Qwen3Config
 from jetspec_jax.errors import JetSpecError
@@ -22,7 +23,7 @@ SEQ_LEN = 128
 TRAIN = dict(steps=40, batch_size=8, learning_rate=1e-2, seed=0)
 token_losses = jax.jit(pretrain.token_losses, static_argnums=1)
 mean_loss = jax.jit(pretrain.mean_loss, static_argnums=1)
-forward = jax.jit(qwen3.forward, static_argnums=1)
+forward = jax.jit(hf_fixtures.target_forward, static_argnums=1)
 
 
 def conversations(n: int, seed: int = 0):

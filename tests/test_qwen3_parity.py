@@ -67,7 +67,7 @@ def test_chunked_prefill_through_cache_matches_transformers(name, jax_target):
   ref = hf_fixtures.hf_logits(model, tokens)
   first = np.array([5, 8], np.int32)        # per-row committed lengths after the first chunk
   cache = qwen3.init_cache(cfg, 2, 12, jnp.float32)
-  fwd = jax.jit(qwen3.forward, static_argnames=("cfg",))
+  fwd = jax.jit(hf_fixtures.target_forward, static_argnames=("cfg",))
   # First chunk: 8 rows each; row 0 only really commits 5 (its rows 5..7 are overwritten next).
   chunk = jnp.asarray(tokens[:, :8])
   pos = jnp.broadcast_to(jnp.arange(8, dtype=jnp.int32), (2, 8))
@@ -100,7 +100,7 @@ def test_bfloat16_forward_is_as_accurate_as_transformers_bfloat16(name, hf_dir):
   ref32 = hf_fixtures.hf_logits(model, tokens)
   ref16 = hf_fixtures.hf_logits(copy.deepcopy(model).to(torch.bfloat16), tokens)
   cache = qwen3.init_cache(cfg, 2, 11, jnp.bfloat16)
-  logits, cache, _ = jax.jit(qwen3.forward, static_argnames=("cfg",))(
+  logits, cache, _ = jax.jit(hf_fixtures.target_forward, static_argnames=("cfg",))(
       params, cfg=cfg, tokens=jnp.asarray(tokens), positions=jnp.broadcast_to(jnp.arange(11), (2, 11)),
       cache=cache, prefix_len=jnp.zeros(2, jnp.int32), block_mask=qwen3.causal_mask(2, 11))
   logits = np.asarray(logits)

@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
+import hf_fixtures
 from jetspec_jax.config import Qwen3Config
 from jetspec_jax.decode import sampling, speculative
 from jetspec_jax.decode.loop import generate_ar, prefill
@@ -67,7 +68,7 @@ def exact_joint(temperature, top_k, top_p, n=NUM_TOKENS):
   batch, length = seqs.shape
   cache = qwen3.init_cache(CFG, batch, length, jnp.float32)
   pos = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
-  logits, _, _ = qwen3.forward(target(), CFG, jnp.asarray(seqs), pos, cache, jnp.zeros((batch,), jnp.int32),
+  logits, _, _ = hf_fixtures.target_forward(target(), CFG, jnp.asarray(seqs), pos, cache, jnp.zeros((batch,), jnp.int32),
                                qwen3.causal_mask(batch, length))
   logp = np.asarray(sampling.process_logits(logits[:, len(PROMPT) - 1:], temperature, top_k, top_p), np.float64)
   probs = np.exp(logp)                                                               # [V^(n-1), n, V]
@@ -110,7 +111,7 @@ def check_distribution(tokens: np.ndarray, temperature, top_k, top_p, label=""):
 
 def target_step(params, cache, tok, pos):
   batch = tok.shape[0]
-  logits, cache, _ = qwen3.forward(params, CFG, tok[:, None], pos[:, None], cache, pos,
+  logits, cache, _ = hf_fixtures.target_forward(params, CFG, tok[:, None], pos[:, None], cache, pos,
                                    jnp.ones((batch, 1, 1), bool))
   return logits[:, 0], cache
 
@@ -171,7 +172,7 @@ def run_spec(tree_cfg, variants, *, batch, max_new, temperature, top_k=0, top_p=
                        attn_impl="xla", tap_layers=hcfg.target_layer_ids, mesh=None, top_k=top_k, top_p=top_p)
   if first_round_only:
     base = base.replace(num_tokens=jnp.full_like(base.num_tokens, max_new - 1))
-  dcache = speculative.prefill_context(hparams, dcache, taps, cfg=CFG, head_cfg=hcfg)
+  dcache = speculative.prefill_context(hparams, dcache, taps, head_cfg=hcfg)
   state = SpecState(base=base, draft_cache=dcache, rounds=jnp.zeros((batch,), jnp.int32),
                     depth_hist=jnp.zeros((batch, tree_cfg.depth + 1), jnp.int32))
   # Keyword arguments as generate_speculative passes them (the same jit cache entries).

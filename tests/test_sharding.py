@@ -33,17 +33,16 @@ def test_sharded_forward_equals_unsharded(name, data, model, hf_dir, jax_target)
   cfg2, params, _ = convert.load_target(hf_dir(name), jnp.float32, mesh)
   assert cfg2 == cfg
   # The weights really are laid out on the mesh.
-  q = params["layers.0.q_proj"]
+  q = params["layers.0.attn.q_proj"]
   assert q.sharding.mesh.shape == {"data": data, "model": model}
   if model > 1:
     assert _spec_axes(q) == (None, "model", None)
     assert len({s.data.shape for s in q.addressable_shards}) == 1
     assert q.addressable_shards[0].data.shape == (cfg.hidden_size, cfg.num_attention_heads // model, cfg.head_dim)
-    mlp = "layers.0.experts.gate" if cfg.num_experts else "layers.0.mlp.gate"
-    assert "model" in _spec_axes(params[mlp])
+    assert "model" in _spec_axes(params["layers.0.mlp.gate"])       # dense MLP or stacked experts
   else:
     assert all(a is None for a in _spec_axes(q))
-  kv_spec = _spec_axes(params["layers.0.k_proj"])
+  kv_spec = _spec_axes(params["layers.0.attn.k_proj"])
   if model > 1 and cfg.num_key_value_heads % model:
     assert kv_spec == (None, None, None)          # replicated KV heads
   elif model > 1:
@@ -89,8 +88,8 @@ def test_converted_checkpoint_restores_into_another_mesh(hf_dir, jax_target, tmp
   ckpt = str(tmp_path / "ckpt")
   convert.convert_hf(hf_dir("shard_moe"), ckpt, dtype=jnp.float32, mesh=mesh_a)
   _, params, _ = convert.load_target(ckpt, jnp.float32, mesh_b)
-  assert _spec_axes(params["layers.0.q_proj"]) == (None, "model", None)
-  assert params["layers.0.q_proj"].sharding.mesh.shape == {"data": 1, "model": 8}
+  assert _spec_axes(params["layers.0.attn.q_proj"]) == (None, "model", None)
+  assert params["layers.0.attn.q_proj"].sharding.mesh.shape == {"data": 1, "model": 8}
   for k in ref_params:
     np.testing.assert_array_equal(np.asarray(params[k]), np.asarray(ref_params[k]), err_msg=k)
 
@@ -99,8 +98,8 @@ def test_init_target_is_sharded():
   cfg = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                             num_attention_heads=4, num_key_value_heads=2, head_dim=8)
   params = qwen3.init_target(cfg, jax.random.key(0), jnp.float32, sharding.make_mesh(2, 4))
-  assert _spec_axes(params["layers.0.q_proj"]) == (None, "model", None)
-  assert _spec_axes(params["layers.0.k_proj"]) == (None, None, None)
+  assert _spec_axes(params["layers.0.attn.q_proj"]) == (None, "model", None)
+  assert _spec_axes(params["layers.0.attn.k_proj"]) == (None, None, None)
   assert _spec_axes(params["embed"]) == ("model", None)
   assert _spec_axes(params["layers.0.mlp.down"]) == ("model", None)
 

@@ -3,11 +3,10 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
+import hf_fixtures
 from jetspec_jax.config import Qwen3Config
-from jetspec_jax.decode import speculative
 from jetspec_jax.decode.loop import generate_ar
 from jetspec_jax.decode.speculative import TreeConfig, generate_speculative
 from jetspec_jax.models import draft_head, qwen3
@@ -88,7 +87,7 @@ def _greedy_continuation(target_params, state, depth):
 
   def step(carry, _):
     cache, tok, pos = carry
-    logits, cache, _ = qwen3.forward(target_params, CFG, tok[:, None], pos[:, None], cache, pos, one)
+    logits, cache, _ = hf_fixtures.target_forward(target_params, CFG, tok[:, None], pos[:, None], cache, pos, one)
     nxt = jnp.argmax(logits[:, 0], -1).astype(jnp.int32)
     return (cache, nxt, pos + 1), nxt
 

@@ -111,7 +111,6 @@ def test_packed_rows_train(world, tmp_path):
 def test_target_states_equal_the_dense_forward_without_its_score_buffers():
   """The train step's frozen target (query-blocked attention) equals the dense-attention forward on packed
   rows (float32, 1e-5), and its compiled program has no [B, H, L, L]-sized temporary (the dense one does)."""
-  import jax.numpy as jnp
   from jetspec_jax.config import Qwen3Config
   from jetspec_jax.models import qwen3
   sys.path.insert(0, REPO)
@@ -129,9 +128,7 @@ def test_target_states_equal_the_dense_forward_without_its_score_buffers():
   tokens = rng.integers(0, cfg.vocab_size, (batch, length)).astype(np.int32)
 
   def dense(p, t, s, q):
-    cache = qwen3.init_cache(cfg, batch, length, jnp.float32)
-    hidden, _, tapped = qwen3.forward(p, cfg, t, q, cache, jnp.zeros((batch,), jnp.int32),
-                                      qwen3.segment_causal_mask(s), tap_layers=taps, return_hidden=True)
+    hidden, _, tapped = qwen3.bind(cfg, p).hidden(t, q, qwen3.segment_causal_mask(s), tap_layers=taps)
     return hidden, tapped
 
   chunked = lambda p, t, s, q: trainer.target_states(p, cfg, t, s, q, taps)
@@ -161,6 +158,6 @@ def test_mesh_expert_parallel_splits_the_targets_experts_over_model():
   assert trainer.target_layout(cfg, ml_collections.ConfigDict({"expert_parallel": False})) == cfg
   ep = trainer.target_layout(cfg, ml_collections.ConfigDict({"expert_parallel": True}))
   placed = trainer.place_target(params, ep, mesh)
-  assert ep.expert_parallel and placed["layers.0.experts.gate"].sharding.spec == P("model", None, None)
-  assert params["layers.0.experts.gate"].sharding.spec == P(None, None, "model")
-  np.testing.assert_array_equal(np.asarray(placed["layers.0.experts.up"]), np.asarray(params["layers.0.experts.up"]))
+  assert ep.expert_parallel and placed["layers.0.mlp.gate"].sharding.spec == P("model", None, None)
+  assert params["layers.0.mlp.gate"].sharding.spec == P(None, None, "model")
+  np.testing.assert_array_equal(np.asarray(placed["layers.0.mlp.up"]), np.asarray(params["layers.0.mlp.up"]))

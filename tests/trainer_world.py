@@ -4,7 +4,6 @@ import os
 import shutil
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jetspec_jax import convert

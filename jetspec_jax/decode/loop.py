@@ -68,9 +68,11 @@ def prefill(params, cache, prompt, prompt_len, key, *, cfg: Qwen3Config, max_new
   Returns (DecodeState, taps [B, T, F] or None)."""
   batch, length = prompt.shape
   positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
-  logits, cache, taps = qwen3.forward(
-      params, cfg, prompt, positions, cache, jnp.zeros((batch,), jnp.int32), qwen3.causal_mask(batch, length),
-      tap_layers=tap_layers, attn_impl=attn_impl, mesh=mesh, logits_rows=(prompt_len - 1)[:, None])
+  target = qwen3.bind(cfg, params)
+  h, cache, taps = target.hidden(prompt, positions, qwen3.causal_mask(batch, length), cache=cache,
+                                 prefix_len=jnp.zeros((batch,), jnp.int32), tap_layers=tap_layers,
+                                 rows=(prompt_len - 1)[:, None], attn_impl=attn_impl, mesh=mesh)
+  logits = target.logits(h)
   keys = sequence_keys(key, batch) if key.ndim == 0 else key
   first = sample_tokens(logits[:, 0], step_keys(keys, 0), temperature, top_k, top_p)
   out = jnp.full((batch, max_new_tokens), -1, jnp.int32)
@@ -90,10 +92,12 @@ def ar_decode(params, state: DecodeState, *, cfg: Qwen3Config, eos_ids: tuple[in
   """Plain autoregressive decoding until every sequence is done (one token per target forward)."""
   batch = state.last_token.shape[0]
   one_mask = jnp.ones((batch, 1, 1), bool)
+  target = qwen3.bind(cfg, params)
 
   def body(s: DecodeState) -> DecodeState:
-    logits, cache, _ = qwen3.forward(params, cfg, s.last_token[:, None], s.prefix_len[:, None], s.cache,
-                                     s.prefix_len, one_mask, attn_impl=attn_impl, mesh=mesh)
+    h, cache, _ = target.hidden(s.last_token[:, None], s.prefix_len[:, None], one_mask, cache=s.cache,
+                                prefix_len=s.prefix_len, attn_impl=attn_impl, mesh=mesh)
+    logits = target.logits(h)
     nxt = sample_tokens(logits[:, 0], step_keys(s.key, s.steps + 1), temperature, top_k, top_p)
     active = ~s.done
     tokens, num, done, _ = commit_tokens(s.tokens, s.num_tokens, s.done, nxt[:, None],

@@ -82,16 +82,16 @@ def round_keys(state: SpecState) -> jax.Array:
 
 def head_drafter(target_params, head_params, state: SpecState, *, cfg, head_cfg, tree_cfg, attn_impl, mesh):
   """The JetSpec head: per-depth logits of the block [last_token, mask...] after the context."""
-  return draft_head.draft_logits(head_params, head_cfg, target_params, cfg, state.draft_cache,
-                                 state.base.prefix_len, state.base.last_token, tree_cfg.depth, attn_impl, mesh)
+  head = draft_head.bind(head_cfg, head_params)
+  return head.draft_logits(qwen3.bind(cfg, target_params), state.draft_cache, state.base.prefix_len,
+                           state.base.last_token, tree_cfg.depth, attn_impl, mesh)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "head_cfg"), donate_argnames=("draft_cache",))
-def prefill_context(head_params, draft_cache, taps, *, cfg, head_cfg):
+@functools.partial(jax.jit, static_argnames=("head_cfg",), donate_argnames=("draft_cache",))
+def prefill_context(head_params, draft_cache, taps, *, head_cfg):
   """Fuse the prompt's tapped features into the head's context cache (rows 0..T-1)."""
-  del cfg
   start = jnp.zeros((taps.shape[0],), jnp.int32)
-  return draft_head.append_context(head_params, head_cfg, draft_cache, taps, start)
+  return draft_head.bind(head_cfg, head_params).append_context(draft_cache, taps, start)
 
 
 def build_round_tree(anchor, depth_logits, keys, tree_cfg: TreeConfig, *, temperature: float, top_k: int,
@@ -123,6 +123,7 @@ def spec_decode(target_params, head_params, state: SpecState, *, cfg: Qwen3Confi
   the ``accept`` rule: "match" | "rejection")."""
   depth = tree_cfg.depth
   width = 1 if tree_cfg.method == "chain" else tree_cfg.width
+  head = draft_head.bind(head_cfg, head_params)
 
   def body(s: SpecState) -> SpecState:
     b = s.base
@@ -148,7 +149,7 @@ def spec_decode(target_params, head_params, state: SpecState, *, cfg: Qwen3Confi
     with jax.named_scope("jetspec_commit"):
       cache = verify.compact_cache(cache, b.prefix_len, acc.path)
       path_taps = jnp.take_along_axis(taps, acc.path[:, :, None], axis=1)              # [B, D+1, F]
-      draft_cache = draft_head.append_context(head_params, head_cfg, draft_cache, path_taps, b.prefix_len)
+      draft_cache = head.append_context(draft_cache, path_taps, b.prefix_len)
       new, count = verify.accepted_tokens(tree, acc)
       tokens, num, done, _ = commit_tokens(b.tokens, b.num_tokens, b.done, new, count, eos_ids)
     base = DecodeState(cache=cache, tokens=tokens, num_tokens=num,
@@ -195,7 +196,7 @@ def generate_speculative(target_params, cfg: Qwen3Config, head_params, head_cfg:
   base, taps = prefill(target_params, cache, jnp.asarray(tokens), jnp.asarray(lengths), jax.random.key(seed),
                        cfg=cfg, max_new_tokens=max_new_tokens, eos_ids=eos, temperature=temperature,
                        attn_impl=attn_impl, tap_layers=head_cfg.target_layer_ids, mesh=mesh, top_k=top_k, top_p=top_p)
-  draft_cache = prefill_context(head_params, draft_cache, taps, cfg=cfg, head_cfg=head_cfg)
+  draft_cache = prefill_context(head_params, draft_cache, taps, head_cfg=head_cfg)
   state = SpecState(base=base, draft_cache=draft_cache, rounds=jnp.zeros((batch,), jnp.int32),
                     depth_hist=jnp.zeros((batch, tree_cfg.depth + 1), jnp.int32))
   block_until_ready(state)

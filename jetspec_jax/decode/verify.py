@@ -79,8 +79,10 @@ def verify_tree(params, cfg, tree: Tree, cache: qwen3.KVCache, prefix_len: jax.A
                 tap_layers: tuple[int, ...], attn_impl: str = "xla", mesh=None):
   """Target logits [B, N, V] float32, cache with node K/V at prefix_len + i, taps [B, N, F]."""
   positions = prefix_len[:, None] + tree.depths
-  return qwen3.forward(params, cfg, tree.tokens, positions, cache, prefix_len, tree.ancestors,
-                       tap_layers=tap_layers, attn_impl=attn_impl, mesh=mesh)
+  target = qwen3.bind(cfg, params)
+  h, cache, taps = target.hidden(tree.tokens, positions, tree.ancestors, cache=cache, prefix_len=prefix_len,
+                                 tap_layers=tap_layers, attn_impl=attn_impl, mesh=mesh)
+  return target.logits(h), cache, taps
 
 
 @flax.struct.dataclass

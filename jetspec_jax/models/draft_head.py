@@ -1,7 +1,8 @@
-"""The JetSpec causal parallel draft head (DFlash architecture with a causal block).
+"""The JetSpec causal parallel draft head (DFlash architecture with a causal block), a Flax NNX model.
 
 A small Qwen3-style decoder stack with no embedding and no LM head of its own (it uses the
-target's). Target features (residual outputs of ``target_layer_ids``, concatenated) are fused
+target's). Module tree: ``fc`` [n_taps*Ht, H], ``hidden_norm``, ``layers`` (``DecoderLayer`` with a
+dense ``MLP``), ``final_norm``. Target features (residual outputs of ``target_layer_ids``, concatenated) are fused
 as ``ctx = RMSNorm(concat @ fc)`` and serve as extra keys/values in EVERY layer:
 k = k_norm(concat[k_proj(ctx), k_proj(h)]), v = concat[v_proj(ctx), v_proj(h)], q from h.
 Since ctx does not depend on the layer input, each layer's context K/V is computed once per
@@ -15,17 +16,18 @@ distribution for depth d.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
-from jetspec_jax.attention import attention
 from jetspec_jax.config import Qwen3Config, versioned_keys
 from jetspec_jax.errors import JetSpecError
+from jetspec_jax.models import params as P
 from jetspec_jax.models import qwen3
-from jetspec_jax.models.layers import (ParamSpec, attention_specs, decoder_layer, dense_mlp, dense_mlp_specs, init_params,
-                                       rms_norm, rope, write_rows)
+from jetspec_jax.models.layers import MLP, Attention, DecoderLayer, RMSNorm, cached_attention, write_rows
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
@@ -132,57 +134,6 @@ class DraftConfig:
                rope_theta=float(rope.get("rope_theta", d.get("rope_theta", 1_000_000.0))))
 
 
-def param_specs(cfg: DraftConfig) -> dict[str, ParamSpec]:
-  """Every weight of the head, declared once."""
-  h, nq, nkv, dh, mi = (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
-                        cfg.intermediate_size)
-  specs = {"fc": ParamSpec((len(cfg.target_layer_ids) * cfg.target_hidden_size, h), ("features", "embed")),
-           "hidden_norm": ParamSpec((h,), ("norm",), "ones"),
-           "final_norm": ParamSpec((h,), ("norm",), "ones")}
-  for i in range(cfg.num_hidden_layers):
-    pre = f"layers.{i}."
-    specs.update(attention_specs(pre, h, nq, nkv, dh))
-    specs.update(dense_mlp_specs(pre, h, mi))
-  return specs
-
-
-def init_head(cfg: DraftConfig, key: jax.Array, dtype=jnp.float32, mesh=None) -> dict[str, jax.Array]:
-  """Random head weights, each created in its sharding."""
-  return init_params(param_specs(cfg), key, dtype, mesh)
-
-
-def init_context_cache(cfg: DraftConfig, batch: int, max_len: int, dtype, mesh=None) -> qwen3.KVCache:
-  """Per-layer context (and block scratch) K/V of the head, [B, Hkv, S, Dh] each."""
-  return qwen3.zero_cache(cfg.num_hidden_layers, (batch, cfg.num_key_value_heads, max_len, cfg.head_dim), dtype,
-                          mesh)
-
-
-def fuse_features(params, cfg: DraftConfig, features: jax.Array) -> jax.Array:
-  """Concatenated target taps [B, R, n_taps*Ht] -> ctx [B, R, H] = RMSNorm(features @ fc)."""
-  return rms_norm(features.astype(params["fc"].dtype) @ params["fc"], params["hidden_norm"], cfg.rms_norm_eps)
-
-
-def context_kv(params, cfg: DraftConfig, pre: str, ctx: jax.Array, positions: jax.Array):
-  """Layer ``pre``'s keys/values of context rows: k_norm + RoPE at the rows' positions."""
-  k = jnp.einsum("bth,hnd->btnd", ctx, params[pre + "k_proj"])
-  v = jnp.einsum("bth,hnd->btnd", ctx, params[pre + "v_proj"])
-  k = rope(rms_norm(k, params[pre + "k_norm"], cfg.rms_norm_eps), positions, cfg.rope_theta)
-  return k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
-
-
-def append_context(params, cfg: DraftConfig, cache: qwen3.KVCache, features: jax.Array,
-                   start: jax.Array) -> qwen3.KVCache:
-  """Add R context rows (target taps [B, R, F]) at positions start[b] + r of every layer's cache."""
-  ctx = fuse_features(params, cfg, features)
-  positions = start[:, None] + jnp.arange(features.shape[1], dtype=jnp.int32)[None, :]
-  new_k, new_v = [], []
-  for i in range(cfg.num_hidden_layers):
-    k, v = context_kv(params, cfg, f"layers.{i}.", ctx, positions)
-    new_k.append(write_rows(cache.k[i], k, start))
-    new_v.append(write_rows(cache.v[i], v, start))
-  return qwen3.KVCache(k=tuple(new_k), v=tuple(new_v))
-
-
 def block_mask(cfg: DraftConfig, batch: int) -> jax.Array:
   """[B, bs, bs]: causal for the JetSpec head, all-ones for the bidirectional (DFlash) head."""
   bs = cfg.block_size
@@ -190,41 +141,99 @@ def block_mask(cfg: DraftConfig, batch: int) -> jax.Array:
   return jnp.broadcast_to(m, (batch, bs, bs))
 
 
-def layer(params, cfg: DraftConfig, i: int, x: jax.Array, positions: jax.Array, attend) -> jax.Array:
-  """Draft layer i over block states x [B, T, H]; ``attend(q, k, v)`` supplies the context keys."""
-  weight = lambda n: params[f"layers.{i}.{n}"]
-  return decoder_layer(x, weight, attend, dense_mlp(weight), num_heads=cfg.num_attention_heads,
-                       num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, eps=cfg.rms_norm_eps,
-                       theta=cfg.rope_theta, positions=positions)
+class DraftHead(nnx.Module):
+  """The draft head (see the module docstring); ``cfg`` is kept as a static attribute."""
+
+  def __init__(self, cfg: DraftConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
+    h, eps = cfg.hidden_size, cfg.rms_norm_eps
+    self.cfg = cfg
+    self.fc = P.param(rngs, (len(cfg.target_layer_ids) * cfg.target_hidden_size, h), ("features", "embed"), dtype)
+    self.hidden_norm = RMSNorm(h, eps, dtype=dtype)
+    self.layers = nnx.List([
+        DecoderLayer(Attention(h, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, eps=eps,
+                               theta=cfg.rope_theta, dtype=dtype, rngs=rngs),
+                     MLP(h, cfg.intermediate_size, dtype=dtype, rngs=rngs), h, eps, dtype=dtype)
+        for _ in range(cfg.num_hidden_layers)])
+    self.final_norm = RMSNorm(h, eps, dtype=dtype)
+
+  def fuse(self, features: jax.Array) -> jax.Array:
+    """Concatenated target taps [B, R, n_taps*Ht] -> ctx [B, R, H] = RMSNorm(features @ fc)."""
+    return self.hidden_norm(features.astype(self.fc[...].dtype) @ self.fc[...])
+
+  def context_kv(self, features: jax.Array, positions: jax.Array) -> list[tuple[jax.Array, jax.Array]]:
+    """Every layer's keys/values [B, Hkv, R, Dh] of context rows (taps [B, R, F]) at ``positions`` [B, R]."""
+    ctx = self.fuse(features)
+    return [layer.attn.keys_values(ctx, positions) for layer in self.layers]
+
+  def append_context(self, cache: qwen3.KVCache, features: jax.Array, start: jax.Array) -> qwen3.KVCache:
+    """Add R context rows (target taps [B, R, F]) at positions start[b] + r of every layer's cache."""
+    positions = start[:, None] + jnp.arange(features.shape[1], dtype=jnp.int32)[None, :]
+    kv = self.context_kv(features, positions)
+    return qwen3.KVCache(k=tuple(write_rows(c, k, start) for c, (k, _) in zip(cache.k, kv)),
+                         v=tuple(write_rows(c, v, start) for c, (_, v) in zip(cache.v, kv)))
+
+  def blocks(self, x: jax.Array, positions: jax.Array, attends) -> tuple[jax.Array, list]:
+    """Block states x [B, T, H] through every layer (layer i attends with ``attends[i]``), final-normed;
+    also returns what each layer's ``attend`` kept."""
+    kept = []
+    for i, layer in enumerate(self.layers):
+      with jax.named_scope(f"draft_layer_{i}"):
+        x, k = layer(x, positions, attends[i])
+      kept.append(k)
+    return self.final_norm(x), kept
+
+  def draft_hidden(self, target: qwen3.Qwen3, cache: qwen3.KVCache, ctx_len: jax.Array, anchor: jax.Array,
+                   attn_impl: str = "xla", mesh=None) -> tuple[jax.Array, qwen3.KVCache]:
+    """Final-normed block states [B, bs, H] for block [anchor, mask...] after ctx_len context rows.
+
+    Also returns the cache with the block's K/V written as scratch at ctx_len.. (masked out of
+    later rounds and overwritten by the next ``append_context``); carrying it avoids a copy."""
+    cfg = self.cfg
+    batch, bs = anchor.shape[0], cfg.block_size
+    tokens = jnp.concatenate([anchor[:, None], jnp.full((batch, bs - 1), cfg.mask_token_id, jnp.int32)], axis=1)
+    x = target.embed_tokens(tokens).astype(self.fc[...].dtype)
+    positions = ctx_len[:, None] + jnp.arange(bs, dtype=jnp.int32)[None, :]
+    mask = block_mask(cfg, batch)
+    attends = [cached_attention((k, v), ctx_len, mask, impl=attn_impl, mesh=mesh) for k, v in zip(cache.k, cache.v)]
+    h, kept = self.blocks(x, positions, attends)
+    return h, qwen3.KVCache(k=tuple(k for k, _ in kept), v=tuple(v for _, v in kept))
+
+  def draft_logits(self, target: qwen3.Qwen3, cache: qwen3.KVCache, ctx_len: jax.Array, anchor: jax.Array,
+                   depth: int | None = None, attn_impl: str = "xla", mesh=None) -> tuple[jax.Array, qwen3.KVCache]:
+    """Per-depth draft logits [B, depth, V] float32 (depth <= bs-1; slot d -> depth d), and the cache."""
+    depth = self.cfg.depth if depth is None else depth
+    h, cache = self.draft_hidden(target, cache, ctx_len, anchor, attn_impl, mesh)
+    return target.logits(h[:, 1:depth + 1]), cache
 
 
-def draft_hidden(params, cfg: DraftConfig, target_params, cache: qwen3.KVCache, ctx_len: jax.Array,
-                 anchor: jax.Array, attn_impl: str = "xla", mesh=None) -> tuple[jax.Array, qwen3.KVCache]:
-  """Final-normed block states [B, bs, H] for block [anchor, mask...] after ctx_len context rows.
-
-  Also returns the cache with the block's K/V written as scratch at ctx_len.. (masked out of
-  later rounds and overwritten by the next ``append_context``); carrying it avoids a copy."""
-  batch, bs = anchor.shape[0], cfg.block_size
-  tokens = jnp.concatenate([anchor[:, None], jnp.full((batch, bs - 1), cfg.mask_token_id, jnp.int32)], axis=1)
-  x = target_params["embed"][tokens].astype(params["fc"].dtype)
-  positions = ctx_len[:, None] + jnp.arange(bs, dtype=jnp.int32)[None, :]
-  mask = block_mask(cfg, batch)
-  new_k, new_v = [], []
-  for i in range(cfg.num_hidden_layers):
-    def attend(q, k, v, i=i):
-      k_cache, v_cache = write_rows(cache.k[i], k, ctx_len), write_rows(cache.v[i], v, ctx_len)
-      new_k.append(k_cache)
-      new_v.append(v_cache)
-      return attention(q, k_cache, v_cache, ctx_len, mask, impl=attn_impl, mesh=mesh)
-
-    x = layer(params, cfg, i, x, positions, attend)
-  return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), qwen3.KVCache(k=tuple(new_k), v=tuple(new_v))
+@functools.lru_cache(maxsize=32)
+def _definition(cfg: DraftConfig) -> tuple[nnx.GraphDef, frozenset[str]]:
+  """The head structure of ``cfg`` (no weights) and its weights' names."""
+  model = abstract_model(cfg)
+  return nnx.split(model)[0], frozenset(P.declared_specs(model))
 
 
-def draft_logits(params, cfg: DraftConfig, target_params, target_cfg: Qwen3Config, cache: qwen3.KVCache,
-                 ctx_len: jax.Array, anchor: jax.Array, depth: int | None = None,
-                 attn_impl: str = "xla", mesh=None) -> tuple[jax.Array, qwen3.KVCache]:
-  """Per-depth draft logits [B, depth, V] float32 (depth <= bs-1; slot d -> depth d), and the cache."""
-  depth = cfg.depth if depth is None else depth
-  h, cache = draft_hidden(params, cfg, target_params, cache, ctx_len, anchor, attn_impl, mesh)
-  return qwen3.lm_logits(target_params, target_cfg, h[:, 1:depth + 1]), cache
+def abstract_model(cfg: DraftConfig) -> DraftHead:
+  """The head with shape-only weights (nothing is allocated)."""
+  return nnx.eval_shape(lambda: DraftHead(cfg, rngs=nnx.Rngs(0)))
+
+
+def param_specs(cfg: DraftConfig) -> dict[str, P.ParamSpec]:
+  """Every weight of the head as declared by ``DraftHead``: {name: ParamSpec}."""
+  return P.declared_specs(abstract_model(cfg))
+
+
+def init_head(cfg: DraftConfig, key: jax.Array, dtype=jnp.float32, mesh=None) -> dict[str, jax.Array]:
+  """Random head weights, each created in its sharding."""
+  return P.create_sharded(lambda rngs: DraftHead(cfg, dtype=dtype, rngs=rngs), key, mesh)
+
+
+def bind(cfg: DraftConfig, params: dict[str, jax.Array]) -> DraftHead:
+  """The head model holding ``params`` (flat names, see ``models.params``)."""
+  return P.bind(*_definition(cfg), params)
+
+
+def init_context_cache(cfg: DraftConfig, batch: int, max_len: int, dtype, mesh=None) -> qwen3.KVCache:
+  """Per-layer context (and block scratch) K/V of the head, [B, Hkv, S, Dh] each."""
+  return qwen3.zero_cache(cfg.num_hidden_layers, (batch, cfg.num_key_value_heads, max_len, cfg.head_dim), dtype,
+                          mesh)

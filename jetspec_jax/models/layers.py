@@ -1,61 +1,24 @@
-"""Building blocks shared by the Qwen3 target and the draft head: norms, RoPE, projections."""
+"""Building blocks shared by the Qwen3 target and the draft head, as Flax NNX modules: RMSNorm,
+the attention block (projections, per-head q/k norms, RoPE), the SwiGLU MLP and the decoder layer.
+
+Layouts: projections are [in, heads, head_dim] / [heads, head_dim, out] so heads shard cleanly.
+A layer does not own its attention pattern: the caller passes ``attend(q, k, v) -> (out, kv)``
+(``cached_attention`` for a KV cache, or the training objective's own), and gets back ``kv``.
+"""
 from __future__ import annotations
 
-import dataclasses
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
+from jetspec_jax.attention import attention
+from jetspec_jax.models.params import param
 
-@dataclasses.dataclass(frozen=True)
-class ParamSpec:
-  """One weight, declared once: shape, logical axes (for sharding) and initialiser name."""
-  shape: tuple[int, ...]
-  axes: tuple[str | None, ...]
-  init: str = "normal"   # "normal" (std 0.02) | "ones"
-
-
-def init_param(spec: ParamSpec, key: jax.Array, dtype) -> jax.Array:
-  """A freshly initialised weight for ``spec``."""
-  if spec.init == "ones":
-    return jnp.ones(spec.shape, dtype)
-  return (0.02 * jax.random.normal(key, spec.shape, jnp.float32)).astype(dtype)
-
-
-def init_params(specs: dict[str, ParamSpec], key: jax.Array, dtype, mesh=None) -> dict[str, jax.Array]:
-  """Initialise every declared weight in ONE jit whose outputs land directly in their shardings."""
-  from jetspec_jax.sharding import named_sharding
-  names = sorted(specs)
-  shardings = {n: named_sharding(specs[n].axes, specs[n].shape, mesh) for n in names} if mesh is not None else None
-
-  def make(k):
-    keys = jax.random.split(k, len(names))
-    return {n: init_param(specs[n], keys[i], dtype) for i, n in enumerate(names)}
-
-  return jax.jit(make, out_shardings=shardings)(key)
-
-
-def attention_specs(pre: str, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int) -> dict[str, ParamSpec]:
-  """The attention block's weights and both pre-norms of one decoder layer (target and head alike)."""
-  return {
-      pre + "input_norm": ParamSpec((hidden,), ("norm",), "ones"),
-      pre + "post_attn_norm": ParamSpec((hidden,), ("norm",), "ones"),
-      pre + "q_proj": ParamSpec((hidden, num_heads, head_dim), ("embed", "q_heads", "head_dim")),
-      pre + "k_proj": ParamSpec((hidden, num_kv_heads, head_dim), ("embed", "kv_heads", "head_dim")),
-      pre + "v_proj": ParamSpec((hidden, num_kv_heads, head_dim), ("embed", "kv_heads", "head_dim")),
-      pre + "o_proj": ParamSpec((num_heads, head_dim, hidden), ("q_heads", "head_dim", "embed")),
-      pre + "q_norm": ParamSpec((head_dim,), ("norm",), "ones"),
-      pre + "k_norm": ParamSpec((head_dim,), ("norm",), "ones"),
-  }
-
-
-def dense_mlp_specs(pre: str, hidden: int, intermediate: int) -> dict[str, ParamSpec]:
-  """SwiGLU MLP weights of one decoder layer."""
-  return {pre + "mlp.gate": ParamSpec((hidden, intermediate), ("embed", "mlp")),
-          pre + "mlp.up": ParamSpec((hidden, intermediate), ("embed", "mlp")),
-          pre + "mlp.down": ParamSpec((intermediate, hidden), ("mlp", "embed"))}
+# attend(q [B,T,Hq,Dh], k, v [B,Hkv,T,Dh]) -> (out [B,T,Hq,Dh], whatever the caller keeps, e.g. a cache layer)
+Attend = Callable[[jax.Array, jax.Array, jax.Array], tuple[jax.Array, object]]
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -82,23 +45,6 @@ def swiglu(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array) -> jax
   return (jax.nn.silu(x @ gate) * (x @ up)) @ down
 
 
-def dense_mlp(p: Callable[[str], jax.Array]) -> Callable[[jax.Array], jax.Array]:
-  """The SwiGLU MLP of a layer whose weights ``p(name)`` returns."""
-  return lambda h: swiglu(h, p("mlp.gate"), p("mlp.up"), p("mlp.down"))
-
-
-def decoder_layer(x: jax.Array, p: Callable[[str], jax.Array], attend, mlp, *, num_heads: int, num_kv_heads: int,
-                  head_dim: int, eps: float, theta: float, positions: jax.Array) -> jax.Array:
-  """One pre-norm Qwen3 decoder layer over x [B, T, H]:
-  x + o_proj(attend(q, k, v)), then + mlp(post_attn_norm(x)). ``attend`` maps q [B,T,Hq,Dh] and the
-  rows' own k, v [B,Hkv,T,Dh] to [B,T,Hq,Dh] (it decides which other keys are visible)."""
-  h = rms_norm(x, p("input_norm"), eps)
-  q, k, v = attention_block(h, h, p, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, eps=eps,
-                            theta=theta, q_positions=positions, kv_positions=positions)
-  x = x + jnp.einsum("btnd,ndh->bth", attend(q, k, v), p("o_proj"))
-  return x + mlp(rms_norm(x, p("post_attn_norm"), eps))
-
-
 def write_rows(cache: jax.Array, rows: jax.Array, start: jax.Array) -> jax.Array:
   """Write ``rows`` [B, Hkv, T, Dh] into ``cache`` [B, Hkv, S, Dh] at per-sequence offsets start [B]."""
   def one(c, r, s):
@@ -106,13 +52,87 @@ def write_rows(cache: jax.Array, rows: jax.Array, start: jax.Array) -> jax.Array
   return jax.vmap(one)(cache, rows, start.astype(jnp.int32))
 
 
-def attention_block(q_in: jax.Array, kv_in: jax.Array, p: Callable[[str], jax.Array], *, num_heads: int,
-                    num_kv_heads: int, head_dim: int, eps: float, theta: float,
-                    q_positions: jax.Array, kv_positions: jax.Array):
-  """Projections + per-head q/k RMSNorm + RoPE. Returns q [B,T,Hq,Dh], k, v [B,Hkv,Tk,Dh]."""
-  q = jnp.einsum("bth,hnd->btnd", q_in, p("q_proj"))
-  k = jnp.einsum("bth,hnd->btnd", kv_in, p("k_proj"))
-  v = jnp.einsum("bth,hnd->btnd", kv_in, p("v_proj"))
-  q = rope(rms_norm(q, p("q_norm"), eps), q_positions, theta)
-  k = rope(rms_norm(k, p("k_norm"), eps), kv_positions, theta)
-  return q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+def cached_attention(kv: tuple[jax.Array, jax.Array] | None, start: jax.Array | None, block_mask: jax.Array, *,
+                     impl: str = "xla", mesh=None) -> Attend:
+  """``attend`` for T new rows over one layer's cache ``kv`` = (k, v) [B, Hkv, S, Dh]: their keys are
+  written at rows start[b] + t, and they see rows < start[b] plus the new rows ``block_mask`` [B, T, T]
+  allows (``jetspec_jax.attention``). It returns the updated (k, v). With ``kv`` None (training, no
+  cache) the rows see only each other and nothing is kept."""
+  def attend(q, k, v):
+    if kv is None:
+      return attention(q, k, v, jnp.zeros((q.shape[0],), jnp.int32), block_mask, impl=impl, mesh=mesh), None
+    k_cache, v_cache = write_rows(kv[0], k, start), write_rows(kv[1], v, start)
+    return attention(q, k_cache, v_cache, start, block_mask, impl=impl, mesh=mesh), (k_cache, v_cache)
+  return attend
+
+
+class RMSNorm(nnx.Module):
+  """RMSNorm over the last axis with a learned ``weight`` [n]."""
+
+  def __init__(self, size: int, eps: float, *, dtype):
+    self.weight = param(None, (size,), ("norm",), dtype, init="ones")
+    self.eps = eps
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    return rms_norm(x, self.weight[...], self.eps)
+
+
+class MLP(nnx.Module):
+  """SwiGLU MLP: gate/up [H, I], down [I, H]."""
+
+  def __init__(self, hidden: int, intermediate: int, *, dtype, rngs: nnx.Rngs):
+    self.gate = param(rngs, (hidden, intermediate), ("embed", "mlp"), dtype)
+    self.up = param(rngs, (hidden, intermediate), ("embed", "mlp"), dtype)
+    self.down = param(rngs, (intermediate, hidden), ("mlp", "embed"), dtype)
+
+  def __call__(self, x: jax.Array, mesh=None) -> jax.Array:
+    return swiglu(x, self.gate[...], self.up[...], self.down[...])
+
+
+class Attention(nnx.Module):
+  """q/k/v/o projections with per-head RMSNorm on q and k and rotate-half RoPE."""
+
+  def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, *, eps: float, theta: float,
+               dtype, rngs: nnx.Rngs):
+    self.q_proj = param(rngs, (hidden, num_heads, head_dim), ("embed", "q_heads", "head_dim"), dtype)
+    self.k_proj = param(rngs, (hidden, num_kv_heads, head_dim), ("embed", "kv_heads", "head_dim"), dtype)
+    self.v_proj = param(rngs, (hidden, num_kv_heads, head_dim), ("embed", "kv_heads", "head_dim"), dtype)
+    self.o_proj = param(rngs, (num_heads, head_dim, hidden), ("q_heads", "head_dim", "embed"), dtype)
+    self.q_norm = RMSNorm(head_dim, eps, dtype=dtype)
+    self.k_norm = RMSNorm(head_dim, eps, dtype=dtype)
+    self.theta = theta
+
+  def queries(self, h: jax.Array, positions: jax.Array) -> jax.Array:
+    """h [B, T, H], positions [B, T] -> q [B, T, Hq, Dh]."""
+    return rope(self.q_norm(jnp.einsum("bth,hnd->btnd", h, self.q_proj[...])), positions, self.theta)
+
+  def keys_values(self, h: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """h [B, T, H], positions [B, T] -> k, v [B, Hkv, T, Dh] (k normed and rotated)."""
+    k = rope(self.k_norm(jnp.einsum("bth,hnd->btnd", h, self.k_proj[...])), positions, self.theta)
+    v = jnp.einsum("bth,hnd->btnd", h, self.v_proj[...])
+    return k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+
+  def __call__(self, h: jax.Array, positions: jax.Array, attend: Attend):
+    """o_proj(attend(q, k, v)) over h [B, T, H]; returns ([B, T, H], what ``attend`` kept)."""
+    k, v = self.keys_values(h, positions)
+    out, kept = attend(self.queries(h, positions), k, v)
+    return jnp.einsum("btnd,ndh->bth", out, self.o_proj[...]), kept
+
+
+class DecoderLayer(nnx.Module):
+  """One pre-norm Qwen3 decoder layer: x + attn(input_norm(x)), then + mlp(post_attn_norm(x)).
+  ``mlp`` is an ``MLP`` or a ``moe.MoE``."""
+
+  def __init__(self, attn: Attention, mlp: nnx.Module, hidden: int, eps: float, *, dtype):
+    self.input_norm = RMSNorm(hidden, eps, dtype=dtype)
+    self.attn = attn
+    self.post_attn_norm = RMSNorm(hidden, eps, dtype=dtype)
+    self.mlp = mlp
+
+  def __call__(self, x: jax.Array, positions: jax.Array, attend: Attend, mesh=None):
+    """x [B, T, H] -> ([B, T, H], what ``attend`` kept)."""
+    with jax.named_scope("attention"):
+      h, kept = self.attn(self.input_norm(x), positions, attend)
+    x = x + h
+    with jax.named_scope("mlp"):
+      return x + self.mlp(self.post_attn_norm(x), mesh), kept

@@ -15,7 +15,7 @@ batch-1 decode) C = N and only the k routed experts' weights are read per token.
 
 Under a (data, model) mesh the layer runs in ``jax.shard_map``: each data shard routes and
 dispatches its own tokens (no routing crosses the data axis); the experts' weights stay where their
-``ParamSpec`` puts them and one psum over ``model`` combines the partial outputs (tensor parallel:
+declared axes (``MoE``) put them and one psum over ``model`` combines the partial outputs (tensor parallel:
 each device holds I/m of every expert; expert parallel, ``cfg.expert_parallel``: E/m whole experts,
 each device computes its local experts' share of its data shard's tokens).
 """
@@ -23,25 +23,40 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from jetspec_jax.config import Qwen3Config
-from jetspec_jax.models.layers import ParamSpec, swiglu
+from jetspec_jax.models.layers import swiglu
+from jetspec_jax.models.params import param
 from jetspec_jax.sharding import logical_to_spec
 
 MAX_TILE = 128
 WEIGHTS = ("gate", "up", "down")
 
 
-def moe_specs(pre: str, cfg: Qwen3Config) -> dict[str, ParamSpec]:
-  """Router [H, E] and stacked expert weights gate/up [E, H, I], down [E, I, H] of one layer.
+def expert_axes(cfg: Qwen3Config) -> dict[str, tuple[str, ...]]:
+  """Logical axes of the router [H, E] and the stacked experts gate/up [E, H, I], down [E, I, H].
   The experts' axis is ``expert_shards`` (split over ``model``) under expert parallelism, else the
   ``mlp`` axis is (tensor parallel)."""
-  h, e, mi = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
   ex = "expert_shards" if cfg.expert_parallel else "experts"
-  return {pre + "router": ParamSpec((h, e), ("embed", "experts")),
-          pre + "experts.gate": ParamSpec((e, h, mi), (ex, "embed", "mlp")),
-          pre + "experts.up": ParamSpec((e, h, mi), (ex, "embed", "mlp")),
-          pre + "experts.down": ParamSpec((e, mi, h), (ex, "mlp", "embed"))}
+  return {"router": ("embed", "experts"), "gate": (ex, "embed", "mlp"), "up": (ex, "embed", "mlp"),
+          "down": (ex, "mlp", "embed")}
+
+
+class MoE(nnx.Module):
+  """The sparse MoE block of one layer: ``router`` and stacked expert weights ``gate``, ``up``, ``down``."""
+
+  def __init__(self, cfg: Qwen3Config, *, dtype, rngs: nnx.Rngs):
+    h, e, mi = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
+    axes = expert_axes(cfg)
+    self.router = param(rngs, (h, e), axes["router"], dtype)
+    self.gate = param(rngs, (e, h, mi), axes["gate"], dtype)
+    self.up = param(rngs, (e, h, mi), axes["up"], dtype)
+    self.down = param(rngs, (e, mi, h), axes["down"], dtype)
+    self.cfg = cfg
+
+  def __call__(self, x: jax.Array, mesh=None) -> jax.Array:
+    return moe_mlp(x, self.router[...], self.gate[...], self.up[...], self.down[...], self.cfg, mesh)
 
 
 def tile_rows(num_rows: int, num_experts: int) -> int:
@@ -113,11 +128,11 @@ def grouped_swiglu(tokens: jax.Array, top_w: jax.Array, top_i: jax.Array, gate: 
   return jax.lax.fori_loop(0, c // t, body, jnp.zeros((m, h), tokens.dtype))
 
 
-def moe_mlp(x: jax.Array, params: dict, pre: str, cfg: Qwen3Config, mesh=None) -> jax.Array:
-  """The sparse MoE block of layer ``pre`` on x [B, T, H] -> [B, T, H] (see the module docstring)."""
-  specs = moe_specs(pre, cfg)
-  names = [pre + "router"] + [pre + "experts." + w for w in WEIGHTS]
-  weights = [params[n] for n in names]
+def moe_mlp(x: jax.Array, router: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, cfg: Qwen3Config,
+            mesh=None) -> jax.Array:
+  """The sparse MoE block on x [B, T, H] -> [B, T, H] (see the module docstring); weights as ``MoE``'s."""
+  weights = (router, gate, up, down)
+  axes = expert_axes(cfg)
   k = cfg.num_experts_per_tok
   sharded = mesh is not None and mesh.shape["model"] > 1
 
@@ -134,6 +149,6 @@ def moe_mlp(x: jax.Array, params: dict, pre: str, cfg: Qwen3Config, mesh=None) -
   if mesh is None or mesh.size == 1:
     return local(x, *weights)
   x_spec = logical_to_spec(("batch", "seq", "embed"), x.shape, mesh)
-  w_specs = [logical_to_spec(specs[n].axes, specs[n].shape, mesh) for n in names]
+  w_specs = [logical_to_spec(axes[n], w.shape, mesh) for n, w in zip(("router",) + WEIGHTS, weights)]
   fn = jax.shard_map(local, mesh=mesh, in_specs=(x_spec, *w_specs), out_specs=x_spec, check_vma=False)
   return fn(x, *weights)

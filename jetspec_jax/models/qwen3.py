@@ -1,49 +1,31 @@
-"""Qwen3 / Qwen3-MoE target in JAX: declared weights, KV cache, a forward over new rows with taps.
+"""Qwen3 / Qwen3-MoE target as a Flax NNX model: declared weights, an explicit KV cache, hidden
+states over new rows (with taps) and logits as separate calls.
 
-Weights are a flat dict ``{name: array}``; ``param_specs(cfg)`` declares each one once (shape,
-logical axes, init) and sharding, initialisation, conversion and restore all derive from it.
-Layouts: projections are [in, heads, head_dim] / [heads, head_dim, out] so heads shard cleanly;
-MoE experts are stacked [E, ...].
+Module tree: ``embed`` [V, H]; ``layers`` (``DecoderLayer``: ``input_norm``, ``attn``,
+``post_attn_norm``, ``mlp`` = ``MLP`` or ``moe.MoE``); ``final_norm``; ``lm_head`` [H, V] when the
+embeddings are untied. ``param_specs(cfg)`` reads the declaration from an abstract model;
+pipelines carry the weights as the flat dict of ``models.params`` and ``bind`` them into a model
+inside their jitted functions.
 
-One forward serves prefill, AR decode and tree verification: T new rows are written into the
-cache at positions prefix_len[b] + t and attend to the committed prefix plus the rows allowed
+One ``hidden`` call serves prefill, AR decode and tree verification: T new rows are written into
+the cache at positions prefix_len[b] + t and attend to the committed prefix plus the rows allowed
 by ``block_mask`` (see ``jetspec_jax.attention``). RoPE positions are passed separately, so tree
-nodes sit at prefix_len + depth.
+nodes sit at prefix_len + depth. Without a cache (training) the rows attend to each other only.
 """
 from __future__ import annotations
+
+import functools
 
 import flax.struct
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
-from jetspec_jax.attention import attention
 from jetspec_jax.config import Qwen3Config
-from jetspec_jax.models.layers import (ParamSpec, attention_specs, decoder_layer, dense_mlp, dense_mlp_specs, init_params,
-                                       rms_norm, write_rows)
-from jetspec_jax.models.moe import moe_mlp, moe_specs
+from jetspec_jax.models import params as P
+from jetspec_jax.models.layers import MLP, Attention, DecoderLayer, RMSNorm, cached_attention
+from jetspec_jax.models.moe import MoE
 from jetspec_jax.sharding import shard
-
-
-def param_specs(cfg: Qwen3Config) -> dict[str, ParamSpec]:
-  """Every weight of the target, declared once."""
-  h, nq, nkv, dh = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-  specs = {"embed": ParamSpec((cfg.vocab_size, h), ("vocab", "embed")),
-           "final_norm": ParamSpec((h,), ("norm",), "ones")}
-  if not cfg.tie_word_embeddings:
-    specs["lm_head"] = ParamSpec((h, cfg.vocab_size), ("embed", "vocab"))
-  for i in range(cfg.num_hidden_layers):
-    pre = f"layers.{i}."
-    specs.update(attention_specs(pre, h, nq, nkv, dh))
-    if cfg.is_moe_layer(i):
-      specs.update(moe_specs(pre, cfg))
-    else:
-      specs.update(dense_mlp_specs(pre, h, cfg.intermediate_size))
-  return specs
-
-
-def init_target(cfg: Qwen3Config, key: jax.Array, dtype=jnp.float32, mesh=None) -> dict[str, jax.Array]:
-  """Random target weights (tests, benchmarks), each created in its sharding."""
-  return init_params(param_specs(cfg), key, dtype, mesh)
 
 
 @flax.struct.dataclass
@@ -71,51 +53,89 @@ def init_cache(cfg: Qwen3Config, batch: int, max_len: int, dtype, mesh=None) -> 
   return zero_cache(cfg.num_hidden_layers, (batch, cfg.num_key_value_heads, max_len, cfg.head_dim), dtype, mesh)
 
 
-def forward(params: dict, cfg: Qwen3Config, tokens: jax.Array, positions: jax.Array, cache: KVCache,
-            prefix_len: jax.Array, block_mask: jax.Array, *, tap_layers: tuple[int, ...] = (),
-            attn_impl: str = "xla", mesh=None, logits_rows: jax.Array | None = None,
-            return_hidden: bool = False):
-  """Run T new rows through the target.
+class Qwen3(nnx.Module):
+  """The Qwen3 / Qwen3-MoE decoder (see the module docstring for the module tree)."""
 
-  tokens, positions [B, T] int32 (positions: RoPE positions); cache: KV cache whose rows
-  prefix_len[b] + t (t < T) receive the new keys/values; prefix_len [B]; block_mask [B, T, T]
-  (see ``jetspec_jax.attention``). ``logits_rows`` [B, R] selects which rows get logits (default
-  all). Returns (logits [B, R, V] float32, new cache, taps [B, T, len(tap_layers) * H]) where
-  taps are the residual outputs (before the final norm) of the chosen layers, in that order.
-  With ``return_hidden`` the first output is the final-normed hidden states [B, R, H] instead
-  (training computes vocabulary logits in chunks from them).
-  """
-  p = params
-  x = shard(p["embed"][tokens], ("batch", "seq", "embed"), mesh)
-  taps = {}
-  new_k, new_v = [], []
-  for i in range(cfg.num_hidden_layers):
-    pre = f"layers.{i}."
-    weight = lambda n, pre=pre: p[pre + n]
+  def __init__(self, cfg: Qwen3Config, *, dtype=jnp.float32, rngs: nnx.Rngs):
+    h, eps = cfg.hidden_size, cfg.rms_norm_eps
+    self.embed = P.param(rngs, (cfg.vocab_size, h), ("vocab", "embed"), dtype)
 
-    def attend(q, k, v, i=i):
-      k_cache, v_cache = write_rows(cache.k[i], k, prefix_len), write_rows(cache.v[i], v, prefix_len)
-      new_k.append(k_cache)
-      new_v.append(v_cache)
-      return attention(q, k_cache, v_cache, prefix_len, block_mask, impl=attn_impl, mesh=mesh)
+    def layer(i):
+      attn = Attention(h, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, eps=eps,
+                       theta=cfg.rope_theta, dtype=dtype, rngs=rngs)
+      mlp = MoE(cfg, dtype=dtype, rngs=rngs) if cfg.is_moe_layer(i) else MLP(h, cfg.intermediate_size, dtype=dtype,
+                                                                                 rngs=rngs)
+      return DecoderLayer(attn, mlp, h, eps, dtype=dtype)
 
-    mlp = (lambda h, pre=pre: moe_mlp(h, p, pre, cfg, mesh)) if cfg.is_moe_layer(i) else dense_mlp(weight)
-    x = decoder_layer(x, weight, attend, mlp, num_heads=cfg.num_attention_heads,
-                      num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, eps=cfg.rms_norm_eps,
-                      theta=cfg.rope_theta, positions=positions)
-    if i in tap_layers:
-      taps[i] = x
-  tapped = jnp.concatenate([taps[i] for i in tap_layers], axis=-1) if tap_layers else None
-  if logits_rows is not None:
-    x = jnp.take_along_axis(x, logits_rows[..., None], axis=1)
-  hidden = rms_norm(x, p["final_norm"], cfg.rms_norm_eps)
-  return hidden if return_hidden else lm_logits(p, cfg, hidden), KVCache(k=tuple(new_k), v=tuple(new_v)), tapped
+    self.layers = nnx.List([layer(i) for i in range(cfg.num_hidden_layers)])
+    self.final_norm = RMSNorm(h, eps, dtype=dtype)
+    self.lm_head = None if cfg.tie_word_embeddings else P.param(rngs, (h, cfg.vocab_size), ("embed", "vocab"), dtype)
+
+  def embed_tokens(self, tokens: jax.Array) -> jax.Array:
+    """tokens [...] int -> embeddings [..., H]."""
+    return self.embed[...][tokens]
+
+  def hidden(self, tokens: jax.Array, positions: jax.Array, block_mask: jax.Array, *, cache: KVCache | None = None,
+             prefix_len: jax.Array | None = None, tap_layers: tuple[int, ...] = (), rows: jax.Array | None = None,
+             attn_impl: str = "xla", mesh=None):
+    """Run T new rows through the decoder layers.
+
+    tokens, positions [B, T] int32 (positions: RoPE positions); block_mask [B, T, T]; cache: KV cache
+    whose rows prefix_len[b] + t (t < T) receive the new keys/values (None: no cache, rows see each
+    other only; prefix_len unused). ``rows`` [B, R] selects which rows come out (default all).
+    Returns (final-normed hidden states [B, R, H], new cache or None, taps [B, T, len(tap_layers) * H]
+    or None), taps being the residual outputs (before the final norm) of the chosen layers, in order.
+    """
+    with jax.named_scope("embedding"):
+      x = shard(self.embed_tokens(tokens), ("batch", "seq", "embed"), mesh)
+    taps, new_k, new_v = {}, [], []
+    for i, layer in enumerate(self.layers):
+      kv = None if cache is None else (cache.k[i], cache.v[i])
+      with jax.named_scope(f"layer_{i}"):
+        x, kept = layer(x, positions, cached_attention(kv, prefix_len, block_mask, impl=attn_impl, mesh=mesh), mesh)
+      if kept is not None:
+        new_k.append(kept[0])
+        new_v.append(kept[1])
+      if i in tap_layers:
+        taps[i] = x
+    tapped = jnp.concatenate([taps[i] for i in tap_layers], axis=-1) if tap_layers else None
+    if rows is not None:
+      x = jnp.take_along_axis(x, rows[..., None], axis=1)
+    new_cache = None if cache is None else KVCache(k=tuple(new_k), v=tuple(new_v))
+    return self.final_norm(x), new_cache, tapped
+
+  def logits(self, h: jax.Array) -> jax.Array:
+    """Final-normed hidden states [..., H] -> float32 logits [..., V] (tied or untied head)."""
+    with jax.named_scope("lm_head"):
+      w = self.embed[...].T if self.lm_head is None else self.lm_head[...]
+      return jnp.einsum("...h,hv->...v", h, w, preferred_element_type=jnp.float32)
 
 
-def lm_logits(params: dict, cfg: Qwen3Config, h: jax.Array) -> jax.Array:
-  """Final-normed hidden states [..., H] -> float32 logits [..., V] (tied or untied head)."""
-  w = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
-  return jnp.einsum("...h,hv->...v", h, w, preferred_element_type=jnp.float32)
+@functools.lru_cache(maxsize=32)
+def _definition(cfg: Qwen3Config) -> tuple[nnx.GraphDef, frozenset[str]]:
+  """The model structure of ``cfg`` (no weights) and its weights' names."""
+  model = abstract_model(cfg)
+  return nnx.split(model)[0], frozenset(P.declared_specs(model))
+
+
+def abstract_model(cfg: Qwen3Config) -> Qwen3:
+  """The model with shape-only weights (``nnx.eval_shape``: nothing is allocated)."""
+  return nnx.eval_shape(lambda: Qwen3(cfg, rngs=nnx.Rngs(0)))
+
+
+def param_specs(cfg: Qwen3Config) -> dict[str, P.ParamSpec]:
+  """Every weight of the target as declared by ``Qwen3``: {name: ParamSpec}."""
+  return P.declared_specs(abstract_model(cfg))
+
+
+def init_target(cfg: Qwen3Config, key: jax.Array, dtype=jnp.float32, mesh=None) -> dict[str, jax.Array]:
+  """Random target weights (tests, benchmarks, pretraining), each created in its sharding."""
+  return P.create_sharded(lambda rngs: Qwen3(cfg, dtype=dtype, rngs=rngs), key, mesh)
+
+
+def bind(cfg: Qwen3Config, params: dict[str, jax.Array]) -> Qwen3:
+  """The target model holding ``params`` (flat names, see ``models.params``)."""
+  return P.bind(*_definition(cfg), params)
 
 
 def causal_mask(batch: int, length: int) -> jax.Array:

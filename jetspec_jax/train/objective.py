@@ -7,7 +7,7 @@ conversation); everything below stays inside the anchor's conversation. The bloc
 the inference block [tokens[p], mask x (bs-1)] at positions q..q+bs-1 (q = positions[p]); it sees
 the fused context rows of its conversation before p (row r at RoPE position positions[r]), its own
 slots causally (all of them for a bidirectional head) and no other block, so its states equal
-``draft_head.draft_hidden`` after exactly the q context rows of its conversation.
+``DraftHead.draft_hidden`` after exactly the q context rows of its conversation.
 
 Slot k (1..bs-1) of anchor p is trained towards the target's distribution at position p+k-1
 (the distribution of token p+k), or towards the token tokens[p+k] itself with ``loss="ce"``.
@@ -29,7 +29,6 @@ import jax.numpy as jnp
 from jetspec_jax.config import Qwen3Config
 from jetspec_jax.errors import JetSpecError
 from jetspec_jax.models import draft_head, qwen3
-from jetspec_jax.models.layers import rms_norm
 
 LOSSES = ("kl", "ce")
 
@@ -109,8 +108,8 @@ def _segments_and_positions(tokens, segment_ids, positions):
   return segment_ids.astype(jnp.int32), positions.astype(jnp.int32)
 
 
-def head_block_hidden(head_params, head_cfg: draft_head.DraftConfig, target_params, features: jax.Array,
-                      tokens: jax.Array, anchors: jax.Array, segment_ids: jax.Array | None = None,
+def head_block_hidden(head_params, head_cfg: draft_head.DraftConfig, target_params, target_cfg: Qwen3Config,
+                      features: jax.Array, tokens: jax.Array, anchors: jax.Array, segment_ids: jax.Array | None = None,
                       positions: jax.Array | None = None) -> jax.Array:
   """Final-normed head states [B, A, bs, H] of the blocks of every anchor, in one forward.
 
@@ -119,28 +118,20 @@ def head_block_hidden(head_params, head_cfg: draft_head.DraftConfig, target_para
   conversation per row at positions 0..L-1). Block a of sequence b is [tokens[b, p], mask x (bs-1)]
   at positions q..q+bs-1 (p = anchors[b, a], q = positions[b, p]); it attends to the context rows
   r < p with segment_ids[b, r] == segment_ids[b, p] and to its own slots under
-  ``draft_head.block_mask``. Invariant: out[b, a] equals ``draft_head.draft_hidden`` for a context
+  ``draft_head.block_mask``. Invariant: out[b, a] equals ``DraftHead.draft_hidden`` for a context
   of exactly those rows and anchor token tokens[b, p].
   """
   segment_ids, positions = _segments_and_positions(tokens, segment_ids, positions)
-  context = context_keys(head_params, head_cfg, features, positions)
-  return blocks_hidden(head_params, head_cfg, target_params, context, tokens, anchors, segment_ids, positions)
+  head = draft_head.bind(head_cfg, head_params)
+  context = head.context_kv(features, positions)
+  return blocks_hidden(head, qwen3.bind(target_cfg, target_params), context, tokens, anchors, segment_ids, positions)
 
 
-def context_keys(head_params, head_cfg: draft_head.DraftConfig, features: jax.Array,
-                 positions: jax.Array) -> list[tuple[jax.Array, jax.Array]]:
-  """Every head layer's keys/values of every context row, [(k, v)] with k, v [B, Hkv, L, Dh]: the
-  fused target taps projected per layer at the rows' positions. They do not depend on the anchors,
-  so the loss computes them once and shares them across its chunks of anchors."""
-  ctx = draft_head.fuse_features(head_params, head_cfg, features)
-  return [draft_head.context_kv(head_params, head_cfg, f"layers.{i}.", ctx, positions)
-          for i in range(head_cfg.num_hidden_layers)]
-
-
-def blocks_hidden(head_params, head_cfg: draft_head.DraftConfig, target_params, context, tokens: jax.Array,
-                  anchors: jax.Array, segment_ids: jax.Array, positions: jax.Array) -> jax.Array:
-  """``head_block_hidden`` given the layers' context keys (``context_keys``): [B, A, bs, H]."""
-  cfg = head_cfg
+def blocks_hidden(head: draft_head.DraftHead, target: qwen3.Qwen3, context, tokens: jax.Array, anchors: jax.Array,
+                  segment_ids: jax.Array, positions: jax.Array) -> jax.Array:
+  """``head_block_hidden`` given every head layer's context keys/values [(k, v)], k, v [B, Hkv, L, Dh]
+  (``DraftHead.context_kv``: anchor-independent, so the loss computes them once for all its chunks)."""
+  cfg = head.cfg
   batch, length = tokens.shape
   num_anchors, bs = anchors.shape[1], cfg.block_size
   anchors = anchors.astype(jnp.int32)
@@ -153,18 +144,16 @@ def blocks_hidden(head_params, head_cfg: draft_head.DraftConfig, target_params, 
   block_tokens = jnp.concatenate([anchor_tokens[..., None], masks], axis=-1).reshape(batch, num_anchors * bs)
   anchor_positions = jnp.take_along_axis(positions, anchors, axis=1)
   block_positions = (anchor_positions[..., None] + jnp.arange(bs, dtype=jnp.int32)).reshape(batch, num_anchors * bs)
-  x = target_params["embed"][block_tokens].astype(head_params["fc"].dtype)
-  for i in range(cfg.num_hidden_layers):
-    def attend(q, k, v, i=i):
-      k_ctx, v_ctx = context[i]
-      return anchored_block_attention(q, k, v, k_ctx, v_ctx, ctx_visible, slot_visible)
+  x = target.embed_tokens(block_tokens).astype(head.fc[...].dtype)
 
-    x = draft_head.layer(head_params, cfg, i, x, block_positions, attend)
-  x = rms_norm(x, head_params["final_norm"], cfg.rms_norm_eps)
+  def attend_with(k_ctx, v_ctx):
+    return lambda q, k, v: (anchored_block_attention(q, k, v, k_ctx, v_ctx, ctx_visible, slot_visible), None)
+
+  x, _ = head.blocks(x, block_positions, [attend_with(k, v) for k, v in context])
   return x.reshape(batch, num_anchors, bs, x.shape[-1])
 
 
-def _slot_sums(target_params, target_cfg: Qwen3Config, target_hidden, tokens, loss_mask, segment_ids, hidden,
+def _slot_sums(target: qwen3.Qwen3, target_hidden, tokens, loss_mask, segment_ids, hidden,
                anchors, anchor_valid, *, loss: str, temperature: float):
   """Per-slot sums over one chunk of anchors: (loss term, top-1 matches, valid count), each [bs-1].
 
@@ -182,9 +171,9 @@ def _slot_sums(target_params, target_cfg: Qwen3Config, target_hidden, tokens, lo
   valid = (anchor_valid[..., None] & (target_pos < length) & (gather(loss_mask) != 0)
            & (gather(segment_ids) == anchor_segment))
   teacher_h = jnp.take_along_axis(target_hidden, (clipped - 1)[..., None], axis=1)
-  teacher = jax.lax.stop_gradient(qwen3.lm_logits(target_params, target_cfg, teacher_h))
+  teacher = jax.lax.stop_gradient(target.logits(teacher_h))
   teacher = teacher.reshape(batch, chunk, bs - 1, -1)
-  student = qwen3.lm_logits(target_params, target_cfg, hidden[:, :, 1:])              # [B, C, bs-1, V]
+  student = target.logits(hidden[:, :, 1:])              # [B, C, bs-1, V]
   if loss == "kl":
     log_t = jax.nn.log_softmax(teacher / temperature, axis=-1)
     log_s = jax.nn.log_softmax(student / temperature, axis=-1)
@@ -234,7 +223,8 @@ def draft_loss(head_params, head_cfg: draft_head.DraftConfig, target_params, tar
   if chunk_size < 1:
     raise JetSpecError(f"chunk_size={chunk_size} must be at least 1")
   segment_ids, positions = _segments_and_positions(tokens, segment_ids, positions)
-  context = context_keys(head_params, head_cfg, features, positions)
+  head, target = draft_head.bind(head_cfg, head_params), qwen3.bind(target_cfg, target_params)
+  context = head.context_kv(features, positions)
   (batch, num_anchors), bs = anchors.shape, head_cfg.block_size
   chunk = min(chunk_size, num_anchors)
   num_chunks = math.ceil(num_anchors / chunk)
@@ -248,9 +238,8 @@ def draft_loss(head_params, head_cfg: draft_head.DraftConfig, target_params, tar
   @jax.checkpoint
   def chunk_sums(xs):
     chunk_anchors, chunk_valid = xs
-    hidden = blocks_hidden(head_params, head_cfg, target_params, context, tokens, chunk_anchors, segment_ids,
-                           positions)
-    return _slot_sums(target_params, target_cfg, target_hidden, tokens, loss_mask, segment_ids, hidden,
+    hidden = blocks_hidden(head, target, context, tokens, chunk_anchors, segment_ids, positions)
+    return _slot_sums(target, target_hidden, tokens, loss_mask, segment_ids, hidden,
                       chunk_anchors, chunk_valid, loss=loss, temperature=temperature)
 
   sums = jax.lax.map(chunk_sums, (by_chunk(anchors.astype(jnp.int32)), by_chunk(anchor_valid)))

@@ -9,9 +9,8 @@ RoPE uses the per-conversation positions of the batch, and the last token of one
 trained to predict the first token of the next.
 
 Step (one ``jax.jit``, state donated, sharded over the mesh's ``data`` axis and the weights' logical
-axes): ``qwen3.forward`` over the whole row (a KV cache of ``seq_len`` rows is made inside the step
-and discarded), float32 logits, AdamW (float32 master weights; no decay on norms) with linear warmup
-+ cosine decay and global-norm clipping at 1.0.
+axes): the target's hidden states over the whole row (no KV cache), float32 logits, AdamW (float32
+master weights; no decay on norms) with linear warmup + cosine decay and global-norm clipping at 1.0.
 
 The result is written atomically as a normal Hugging Face directory (``config.json``,
 ``model.safetensors``, the tokenizer files), loadable by ``convert.load_target`` and by
@@ -73,11 +72,9 @@ def token_losses(params: dict, cfg: Qwen3Config, batch: dict, *, mesh=None, attn
   Returns (ce [B, L-1] float32, valid [B, L-1] bool): ce[b, t] is -log p(input_ids[b, t+1] | row up
   to t); valid where t and t+1 are real tokens of the same conversation."""
   tokens, seg, pos = (jnp.asarray(batch[k], jnp.int32) for k in BATCH_FIELDS)
-  b, length = tokens.shape
-  cache = qwen3.init_cache(cfg, b, length, params["embed"].dtype, mesh)
-  hidden, _, _ = qwen3.forward(params, cfg, tokens, pos, cache, jnp.zeros((b,), jnp.int32),
-                               qwen3.segment_causal_mask(seg), attn_impl=attn_impl, mesh=mesh, return_hidden=True)
-  logits = qwen3.lm_logits(params, cfg, hidden[:, :-1])
+  model = qwen3.bind(cfg, params)
+  hidden, _, _ = model.hidden(tokens, pos, qwen3.segment_causal_mask(seg), attn_impl=attn_impl, mesh=mesh)
+  logits = model.logits(hidden[:, :-1])
   ce = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:])
   valid = (seg[:, 1:] == seg[:, :-1]) & (seg[:, 1:] > 0)
   return ce, valid

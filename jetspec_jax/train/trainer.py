@@ -29,6 +29,7 @@ import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jetspec_jax import convert
+from jetspec_jax.checkpoint import LEGACY_NAMES
 from jetspec_jax.config import Qwen3Config, parse_dtype
 from jetspec_jax.distributed import host_values
 from jetspec_jax.errors import JetSpecError
@@ -78,11 +79,9 @@ def target_states(target_params, target_cfg: Qwen3Config, tokens: jax.Array, seg
   """Frozen target over whole rows, each conversation of a packed row on its own (segment mask,
   positions restarting per conversation): (final-normed states [B, L, H], taps [B, L, F]), no grad.
   Attention runs in query blocks (``xla_chunked``): no [B, H, L, L] float32 scores."""
-  batch, length = tokens.shape
-  cache = qwen3.init_cache(target_cfg, batch, length, target_params["embed"].dtype)
-  hidden, _, taps = qwen3.forward(target_params, target_cfg, tokens, positions, cache,
-                                  jnp.zeros((batch,), jnp.int32), qwen3.segment_causal_mask(segment_ids),
-                                  tap_layers=tap_layers, attn_impl="xla_chunked", mesh=mesh, return_hidden=True)
+  hidden, _, taps = qwen3.bind(target_cfg, target_params).hidden(
+      tokens, positions, qwen3.segment_causal_mask(segment_ids), tap_layers=tap_layers, attn_impl="xla_chunked",
+      mesh=mesh)
   return jax.lax.stop_gradient(hidden), jax.lax.stop_gradient(taps)
 
 
@@ -127,7 +126,8 @@ class CheckpointStore:
                     os.path.join(self.directory, name))
     self.manager = ocp.CheckpointManager(
         self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
-                                                             enable_async_checkpointing=False))
+                                                             enable_async_checkpointing=False),
+        item_handlers={"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()})
 
   def latest_step(self) -> int | None:
     return self.manager.latest_step()
@@ -138,6 +138,11 @@ class CheckpointStore:
     self.manager.wait_until_finished()
 
   def restore(self, step: int, abstract_state: TrainState) -> tuple[TrainState, dict]:
+    stored = self.manager.item_metadata(step)["state"].tree.get("params", {})
+    if any(name in stored for name in LEGACY_NAMES):
+      raise JetSpecError(f"the training checkpoints in {self.directory} were written by an older JetSpec-JAX "
+                         f"(weights named before the Flax NNX model) and cannot be resumed; train into a new "
+                         f"output directory")
     out = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state),
                                                              meta=ocp.args.JsonRestore()))
     return out["state"], out["meta"]
