@@ -7,12 +7,12 @@ repeats), built with transformers, saved with ``save_pretrained`` and loaded int
 batched runs need no padding); EOS is disabled, so every run generates exactly
 ``--max-new-tokens`` tokens per prompt. Both frameworks use ``--threads`` CPU threads.
 
-(a) AR: tokens/s of ``generate_ar`` (jitted prefill + one jitted ``lax.while_loop``) vs
+(a) AR: tokens/s of an AR ``Generator`` (jitted prefill + one jitted ``lax.while_loop``) vs
     transformers greedy ``generate``, end to end (prefill included, wall clock around the call),
     for B=1 (each prompt on its own) and B=all prompts in one batch. The first call of each
     (compilation / warm-up) is reported separately and excluded; runs of the two frameworks
     are interleaved and the median over ``--repeats`` is reported. Also: do the tokens agree?
-(b) Speculative (B=1 per prompt): AR vs ``generate_speculative`` with the chain and
+(b) Speculative (B=1 per prompt): AR vs a speculative ``Generator`` with the chain and
     accum_logp trees (budgets ``--budgets``) and top2gap, each with two drafters:
       random head  an untrained JetSpec head (real drafting cost; acceptance ~0: the WORST
                    case, tau ~ 1);
@@ -172,17 +172,18 @@ def interleaved(runners: dict, repeats: int):
 # (a) AR vs transformers.
 
 def bench_ar(args, model, params, cfg, prompts):
-  from jetspec_jax.decode.loop import generate_ar
+  from jetspec_jax.decode.generation import Generator
   m = args.max_new_tokens
+  ar = Generator(cfg, params, eos_ids=())
 
   def jax_each():
-    res = [generate_ar(params, cfg, [pr], max_new_tokens=m, eos_ids=()) for pr in prompts]
-    return {"tokens": [r["token_ids"][0] for r in res], "prefill_s": sum(r["prefill_s"] for r in res),
-            "decode_s": sum(r["decode_s"] for r in res)}
+    res = [ar.generate([pr], m) for pr in prompts]
+    return {"tokens": [r.tokens[0] for r in res], "prefill_s": sum(r.prefill_s for r in res),
+            "decode_s": sum(r.decode_s for r in res)}
 
   def jax_batch():
-    r = generate_ar(params, cfg, prompts, max_new_tokens=m, eos_ids=())
-    return {"tokens": r["token_ids"], "prefill_s": r["prefill_s"], "decode_s": r["decode_s"]}
+    r = ar.generate(prompts, m)
+    return {"tokens": r.tokens, "prefill_s": r.prefill_s, "decode_s": r.decode_s}
 
   runners = {"jax B=1": jax_each, "transformers B=1": lambda: {"tokens": [hf_generate(model, [pr], m)[0]
                                                                           for pr in prompts]},
@@ -229,29 +230,26 @@ def spec_variants(args):
 def bench_spec(args, params, cfg, prompts, ar_tokens):
   import jax
   import jax.numpy as jnp
-  from jetspec_jax.decode.loop import generate_ar
-  from jetspec_jax.decode.speculative import generate_speculative
+  from jetspec_jax.bench import acceptance
+  from jetspec_jax.decode.generation import Generator
   from jetspec_jax.models import draft_head
   m, depth = args.max_new_tokens, args.depth
   head_cfg = draft_head.DraftConfig.for_target(cfg, num_layers=1, block_size=depth + 1)
   head = draft_head.init_head(head_cfg, jax.random.key(args.seed + 1))
+  ar = Generator(cfg, params, eos_ids=())
   # Oracle references: the target's greedy continuation, D tokens longer than needed.
-  refs = [generate_ar(params, cfg, [pr], max_new_tokens=m + depth, eos_ids=())["token_ids"][0] for pr in prompts]
+  refs = [ar.generate([pr], m + depth).tokens[0] for pr in prompts]
   oracle_heads = [{**head, "oracle_ref": jnp.asarray([ref], jnp.int32)} for ref in refs]
 
   def ar_run():
-    res = [generate_ar(params, cfg, [pr], max_new_tokens=m, eos_ids=()) for pr in prompts]
-    return {"tokens": [r["token_ids"][0] for r in res]}
+    return {"tokens": [ar.generate([pr], m).tokens[0] for pr in prompts]}
 
   def spec_run(tree_cfg, oracle):
     def run():
-      res = [generate_speculative(params, cfg, oracle_heads[i] if oracle else head, head_cfg, [pr], max_new_tokens=m,
-                                  tree_cfg=tree_cfg, eos_ids=(), **({"drafter": oracle_drafter} if oracle else {}))
+      res = [Generator(cfg, params, head_cfg=head_cfg, head_params=oracle_heads[i] if oracle else head, tree=tree_cfg,
+                       eos_ids=(), **({"drafter": oracle_drafter} if oracle else {})).generate([pr], m)
              for i, pr in enumerate(prompts)]
-      return {"tokens": [r["token_ids"][0] for r in res], "rounds": sum(r["rounds"] for r in res),
-              "decoded": sum(r["num_tokens"] - 1 for r in res),
-              "depth_histogram": [sum(x) for x in zip(*(r["depth_histogram"] for r in res))],
-              "num_nodes": res[0]["tree"]["num_nodes"]}
+      return {"tokens": [r.tokens[0] for r in res], **acceptance(res), "num_nodes": tree_cfg.num_nodes()}
     return run
 
   runners = {("AR", "-"): ar_run}
@@ -267,7 +265,7 @@ def bench_spec(args, params, cfg, prompts, ar_tokens):
     row = {"tree": tname, "drafter": drafter, "nodes": res.get("num_nodes", 1),
            "warm-up s (excl.)": r["warmup_s"], "median s": med, "min s": min(r["times"]), "tokens/s": n_tok / med,
            "speedup vs AR": ar_med / med, "rounds": res.get("rounds", n_tok - len(prompts)),
-           "tau": (res["decoded"] / res["rounds"]) if "rounds" in res else 1.0,
+           "tau": res.get("tau", 1.0),
            "max accepted depth": (max((d for d, c in enumerate(res["depth_histogram"]) if c), default=0)
                                   if "depth_histogram" in res else None),
            "output == AR": res["tokens"] == ar_tokens}
@@ -361,30 +359,30 @@ def guard_positive_control() -> dict:
 def bench_transfers(args, params, cfg, prompts):
   import jax
   from jetspec_jax.decode import loop, speculative
-  from jetspec_jax.decode.speculative import TreeConfig, generate_speculative
+  from jetspec_jax.decode.generation import Generator
+  from jetspec_jax.decode.speculative import TreeConfig
   from jetspec_jax.models import draft_head
   m = args.max_new_tokens
   head_cfg = draft_head.DraftConfig.for_target(cfg, num_layers=1, block_size=args.depth + 1)
   head = draft_head.init_head(head_cfg, jax.random.key(args.seed + 1))
   tc = TreeConfig("accum_logp", args.budgets[0], args.width, args.depth)
-  cases = {"AR (generate_ar)": (loop, "ar_decode",
-                                lambda: loop.generate_ar(params, cfg, prompts[:1], max_new_tokens=m, eos_ids=())),
-           f"speculative accum_logp b={tc.budget} (generate_speculative)": (
-               speculative, "spec_decode",
-               lambda: generate_speculative(params, cfg, head, head_cfg, prompts[:1], max_new_tokens=m, tree_cfg=tc,
-                                            eos_ids=()))}
+  spec = Generator(cfg, params, head_cfg=head_cfg, head_params=head, tree=tc, eos_ids=())
+  cases = {"AR (Generator.decode)": (loop, "ar_decode",
+                                     lambda: Generator(cfg, params, eos_ids=()).generate(prompts[:1], m)),
+           f"speculative accum_logp b={tc.budget} (Generator.decode)": (
+               speculative, "spec_decode", lambda: spec.generate(prompts[:1], m))}
   rows, details = [], {}
   control = guard_positive_control()
   for name, (module, attr, fn) in cases.items():
-    rec, fetch, res = {}, {}, {}
+    rec, fetch, res = {}, {}, None
     error = None
     try:
       with guarded(module, attr, rec), count_fetches(fetch):
         res = fn()
-      n_tok = len(res["token_ids"][0])
+      n_tok = len(res.tokens[0])
     except Exception as e:                                # noqa: BLE001: a guard violation is a result
       error, n_tok = f"{type(e).__name__}: {str(e)[:300]}", m
-    steps = res["target_forwards"] - 1 if "target_forwards" in res else res.get("rounds")
+    steps = None if res is None else int(res.rounds.sum()) if res.depth_histogram is not None else res.target_forwards - 1
     rows.append({"decode": name, "tokens": n_tok, "loop iterations": steps,
                  "guard 'disallow' raised": bool(error), "guard effective here": control["guard_effective"],
                  "host ops in compiled loop": len(rec.get("hlo", {}).get("host_ops_found", [])),
@@ -430,9 +428,8 @@ def main(argv=None) -> int:
     result["ar_vs_transformers"] = ar
     ar_tokens = ar["tokens"]
   else:
-    from jetspec_jax.decode.loop import generate_ar
-    ar_tokens = [generate_ar(params, cfg, [p], max_new_tokens=args.max_new_tokens, eos_ids=())["token_ids"][0]
-                 for p in prompts]
+    from jetspec_jax.decode.generation import Generator
+    ar_tokens = [Generator(cfg, params, eos_ids=()).generate([p], args.max_new_tokens).tokens[0] for p in prompts]
 
   if "spec" not in args.skip:
     print(f"\n(b) speculative decoding, B=1 per prompt, depth D={args.depth}, width W={args.width}; "

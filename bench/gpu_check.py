@@ -271,15 +271,17 @@ def generate(model: DecodeModel, budget: int | None, *, max_new: int, attn_impl:
   """One greedy generation of ``max_new`` tokens, AR (budget None) or speculative with a ``method`` tree of
   ``budget`` nodes, width 7: decode_s (seconds after the prefill), rounds (AR: target forwards after the
   prefill), tau."""
-  from jetspec_jax.decode.loop import generate_ar
-  from jetspec_jax.decode.speculative import TreeConfig, generate_speculative
+  from jetspec_jax.bench import acceptance
+  from jetspec_jax.decode.generation import Generator
+  from jetspec_jax.decode.speculative import TreeConfig
   if budget is None:
-    out = generate_ar(model.params, model.cfg, model.prompt, max_new_tokens=max_new, eos_ids=(), attn_impl=attn_impl)
-    return dict(decode_s=out["decode_s"], rounds=out["target_forwards"] - 1, tau=1.0)
-  out = generate_speculative(model.params, model.cfg, model.head, model.head_cfg, model.prompt, max_new_tokens=max_new,
-                             tree_cfg=TreeConfig(method, budget, 7, model.head_cfg.depth), eos_ids=(),
-                             attn_impl=attn_impl)
-  return dict(decode_s=out["decode_s"], rounds=out["rounds"], tau=out["tau"])
+    out = Generator(model.cfg, model.params, eos_ids=(), attn_impl=attn_impl).generate(model.prompt, max_new)
+    return dict(decode_s=out.decode_s, rounds=out.target_forwards - 1, tau=1.0)
+  tree = TreeConfig(method, budget, 7, model.head_cfg.depth)
+  out = Generator(model.cfg, model.params, head_cfg=model.head_cfg, head_params=model.head, tree=tree, eos_ids=(),
+                  attn_impl=attn_impl).generate(model.prompt, max_new)
+  acc = acceptance([out])
+  return dict(decode_s=out.decode_s, rounds=acc["rounds"], tau=acc["tau"])
 
 
 def decode_section(model: DecodeModel, *, budgets: tuple[int, ...], max_new: int, attn_impl: str,

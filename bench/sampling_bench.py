@@ -1,7 +1,7 @@
 """Sampling benchmark: tau and tokens/s of the two lossless acceptance rules at temperature > 0.
 
 For each temperature (default 0.6 and 1.0) and tree budget (default 16 and 64) it runs
-``generate_speculative`` with ``accept="match"`` (one target draw per node, deterministic top-W
+a speculative ``Generator`` with ``accept="match"`` (one target draw per node, deterministic top-W
 tree) and ``accept="rejection"`` (Gumbel-top-k tree + recursive rejection sampling), plus the AR
 loop at the same temperature as the tokens/s baseline, and prints one table.
 
@@ -20,6 +20,7 @@ over prefill + decode wall time.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -30,9 +31,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench.common import machine_info, median, table, write_json  # noqa: E402
+from jetspec_jax.bench import acceptance  # noqa: E402
 from jetspec_jax.config import Qwen3Config  # noqa: E402
-from jetspec_jax.decode.loop import generate_ar
-from jetspec_jax.decode.speculative import TreeConfig, generate_speculative
+from jetspec_jax.decode.generation import Generator, SamplingConfig  # noqa: E402
+from jetspec_jax.decode.speculative import TreeConfig  # noqa: E402
 from jetspec_jax.decode.tree import TREE_METHODS
 from jetspec_jax.errors import JetSpecError
 from jetspec_jax.models import draft_head, qwen3
@@ -81,15 +83,15 @@ def parse_prompts(args, vocab: int) -> list[list[int]]:
   return [rng.integers(2, vocab, size=args.prompt_len).tolist() for _ in range(args.batch)]
 
 
-def measure(fn, repeats: int) -> dict:
-  fn()                                                        # compile
-  runs = [fn() for _ in range(repeats)]
-  secs = [r["prefill_s"] + r["decode_s"] for r in runs]
-  out = dict(runs[0])
-  out.pop("token_ids", None)
-  n = sum(len(t) for t in runs[0]["token_ids"])
-  out.update(seconds=median(secs), generated=n, tokens_per_s=n / max(median(secs), 1e-9))
-  return out
+def measure(generator, prompts, max_new_tokens: int, repeats: int) -> dict:
+  """Median seconds and tokens/s of ``generator`` over ``repeats`` runs after a compiling one, plus the
+  acceptance of the first timed run when it is speculative."""
+  generator.generate(prompts, max_new_tokens)                  # compile
+  runs = [generator.generate(prompts, max_new_tokens) for _ in range(repeats)]
+  secs = [r.prefill_s + r.decode_s for r in runs]
+  n = int(runs[0].num_tokens.sum())
+  out = dict(seconds=median(secs), generated=n, tokens_per_s=n / max(median(secs), 1e-9))
+  return out | (acceptance(runs[:1]) if generator.speculative else {})
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -120,26 +122,29 @@ def main(argv: list[str] | None = None) -> int:
   temps = [float(t) for t in args.temperatures.split(",")]
   budgets = [int(b) for b in args.budgets.split(",")]
   depth = args.depth or head_cfg.depth
-  common = dict(max_new_tokens=args.max_new_tokens, eos_ids=(), top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+  m = args.max_new_tokens
   print(f"models: {label}; backend {jax.default_backend()}; {len(prompts)} prompt(s), "
         f"{args.max_new_tokens} new tokens, top_k {args.top_k}, top_p {args.top_p}", flush=True)
 
   rows = []
   for temp in temps:
-    ar = measure(lambda: generate_ar(params, cfg, prompts, temperature=temp, **common), args.repeats)
+    sampled = lambda accept: SamplingConfig(temp, args.top_k, args.top_p, accept, args.seed)
+    ar = measure(Generator(cfg, params, sampling_cfg=sampled("rejection"), eos_ids=()), prompts, m, args.repeats)
     rows.append({"temperature": temp, "budget": None, "accept": "AR", "tau": 1.0, "acc_d1": None,
                  "tokens_per_s": ar["tokens_per_s"], "speedup": 1.0, "seconds": ar["seconds"]})
     print(table(rows[-1:]), flush=True)
     for budget in budgets:
       tree = TreeConfig(args.tree, budget, args.width, depth)
       for accept in ("match", "rejection"):
-        res = measure(lambda: generate_speculative(params, cfg, head_params, head_cfg, prompts, tree_cfg=tree,
-                                                   temperature=temp, accept=accept, **common), args.repeats)
+        spec = Generator(cfg, params, head_cfg=head_cfg, head_params=head_params, tree=tree,
+                         sampling_cfg=sampled(accept), eos_ids=())
+        res = measure(spec, prompts, m, args.repeats)
         acc = res["acceptance_by_depth"]
         rows.append({"temperature": temp, "budget": budget, "accept": accept, "tau": res["tau"],
                      "acc_d1": acc[0] if acc else None, "tokens_per_s": res["tokens_per_s"],
                      "speedup": res["tokens_per_s"] / ar["tokens_per_s"], "seconds": res["seconds"],
-                     "acceptance_by_depth": acc, "rounds": res["rounds"], "tree": res["tree"]})
+                     "acceptance_by_depth": acc, "rounds": res["rounds"],
+                     "tree": dataclasses.asdict(tree) | {"num_nodes": tree.num_nodes()}})
         print(table(rows[-1:], columns=list(rows[0].keys())), flush=True)
 
   columns = ["temperature", "budget", "accept", "tau", "acc_d1", "tokens_per_s", "speedup", "seconds"]

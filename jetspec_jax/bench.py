@@ -1,4 +1,4 @@
-"""Benchmark harness: prompt banks, honest timing, tables, JSON and plots.
+"""Benchmark harness: prompt banks, honest timing, acceptance (tau), tables, JSON and plots.
 
 One run measures, on the same prompts and weights: the jitted AR loop, the chain (DFlash linear
 block) and JetSpec trees over a sweep of budgets, optionally `transformers` greedy generation.
@@ -78,12 +78,25 @@ def prompt_bank(bank: str, tokenizer, *, num_prompts: int, prompt_len: int, offs
   return out
 
 
+def acceptance(results) -> dict:
+  """tau and per-depth acceptance of speculative ``GenerationResult``s (summed over all of them): the one
+  place they are computed. tau = committed tokens per round, each sequence's prefill token excluded;
+  acceptance_by_depth[d-1] = share of rounds that accepted at least d draft tokens."""
+  rounds = int(sum(int(np.sum(r.rounds)) for r in results))
+  decoded = sum(int(np.sum(r.num_tokens)) - len(r.num_tokens) for r in results)
+  hist = np.sum([np.sum(r.depth_histogram, axis=0) for r in results], axis=0)
+  at_least = hist[::-1].cumsum()[::-1]
+  return {"tau": decoded / max(rounds, 1), "rounds": rounds, "depth_histogram": hist.tolist(),
+          "acceptance_by_depth": [float(at_least[d] / max(rounds, 1)) for d in range(1, len(hist))]}
+
+
 def _batches(prompts, batch_size):
   return [prompts[i:i + batch_size] for i in range(0, len(prompts) - batch_size + 1, batch_size)]
 
 
 def time_mode(run_batch, prompts, batch_size: int, repeats: int) -> dict:
-  """Compile + warm (first batch, excluded), then ``repeats`` timed passes over all batches."""
+  """Compile + warm (first batch, excluded), then ``repeats`` timed passes over all batches;
+  ``run_batch`` maps a list of prompts to a ``GenerationResult``."""
   batches = _batches(prompts, batch_size)
   t0 = time.perf_counter()
   run_batch(batches[0])
@@ -95,10 +108,10 @@ def time_mode(run_batch, prompts, batch_size: int, repeats: int) -> dict:
       t0 = time.perf_counter()
       out = run_batch(b)
       elapsed += time.perf_counter() - t0
-      tokens += out["num_tokens"]
+      tokens += int(np.sum(out.num_tokens))
       outs.append(out)
     passes.append(tokens / elapsed)
-  warm_batch = min(o["prefill_s"] + o["decode_s"] for o in outs[:1]) if outs else 0.0
+  warm_batch = min(o.prefill_s + o.decode_s for o in outs[:1]) if outs else 0.0
   return {"tokens_per_s": statistics.median(passes), "tokens_per_s_passes": passes,
           "compile_s": max(first - warm_batch, 0.0), "outputs": outs}
 
@@ -106,11 +119,11 @@ def time_mode(run_batch, prompts, batch_size: int, repeats: int) -> dict:
 def run(target_params, cfg, head_params, head_cfg, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
         budgets: Sequence[int] = (16, 32, 64), width: int = 7, depth: int | None = None,
         methods: Sequence[str] = ("accum_logp",), batch_size: int = 1, repeats: int = 3, eos_ids=None,
-        attn_impl: str = "xla", hf_dir: str | None = None, progress=print) -> dict:
+        attn_impl: str = "xla", mesh=None, hf_dir: str | None = None, progress=print) -> dict:
   """AR, chain and, for each tree method, a tree per budget, on the same prompts; returns the result dict
   (see module doc). Tree modes are named ``<prefix>_b<budget>`` (``MODE_PREFIX``: tree_b16 is accum_logp)."""
-  from jetspec_jax.decode.loop import generate_ar
-  from jetspec_jax.decode.speculative import TreeConfig, generate_speculative
+  from jetspec_jax.decode.generation import Generator
+  from jetspec_jax.decode.speculative import TreeConfig
   depth = head_cfg.depth if depth is None else depth
   prompts = [list(p) for p in prompts]
   if batch_size > len(prompts):
@@ -118,28 +131,21 @@ def run(target_params, cfg, head_params, head_cfg, prompts: Sequence[Sequence[in
                        f"or raise --num-prompts")
   trees = [("chain", TreeConfig("chain", 1, 1, depth))] + [
       (f"{MODE_PREFIX[method]}_b{b}", TreeConfig(method, b, width, depth)) for method in methods for b in budgets]
-  for _, tree in trees:         # before AR is timed, not after
-    tree.validate(head_cfg)
+  generators = {name: Generator(cfg, target_params, head_cfg=head_cfg, head_params=head_params, tree=tree,
+                                eos_ids=eos_ids, attn_impl=attn_impl, mesh=mesh)
+                for name, tree in trees}          # validated before AR is timed, not after
   modes: dict[str, dict] = {}
   progress(f"AR ({len(prompts)} prompts x {max_new_tokens} tokens)")
-  ar = time_mode(lambda b: generate_ar(target_params, cfg, b, max_new_tokens=max_new_tokens, eos_ids=eos_ids,
-                                       attn_impl=attn_impl), prompts, batch_size, repeats)
-  ar_tokens = [t for o in ar.pop("outputs") for t in o["token_ids"]]
+  ar_gen = Generator(cfg, target_params, eos_ids=eos_ids, attn_impl=attn_impl, mesh=mesh)
+  ar = time_mode(lambda b: ar_gen.generate(b, max_new_tokens), prompts, batch_size, repeats)
+  ar_tokens = [t for o in ar.pop("outputs") for t in o.tokens]
   modes["ar"] = ar | {"tau": 1.0}
   for name, tree in trees:
     progress(f"{name} ({tree.method}, budget {tree.num_nodes()} nodes, width {tree.width}, depth {tree.depth})")
-    res = time_mode(lambda b, t=tree: generate_speculative(target_params, cfg, head_params, head_cfg, b,
-                                                           max_new_tokens=max_new_tokens, tree_cfg=t, eos_ids=eos_ids,
-                                                           attn_impl=attn_impl), prompts, batch_size, repeats)
+    res = time_mode(lambda b, g=generators[name]: g.generate(b, max_new_tokens), prompts, batch_size, repeats)
     outs = res.pop("outputs")
-    rounds = sum(o["rounds"] for o in outs)
-    decoded = sum(o["num_tokens"] - len(o["token_ids"]) for o in outs)
-    hist = np.sum([o["depth_histogram"] for o in outs], axis=0)
-    at_least = hist[::-1].cumsum()[::-1]
-    res.update(tau=decoded / max(rounds, 1), rounds=rounds, num_nodes=tree.num_nodes(), method=tree.method,
-               budget=tree.budget,
-               acceptance_by_depth=[float(at_least[d] / max(rounds, 1)) for d in range(1, len(hist))],
-               equals_ar=[t for o in outs for t in o["token_ids"]] == ar_tokens)
+    res.update(acceptance(outs), num_nodes=tree.num_nodes(), method=tree.method, budget=tree.budget,
+               equals_ar=[t for o in outs for t in o.tokens] == ar_tokens)
     modes[name] = res
   for m in modes.values():
     m["speedup_vs_ar"] = m["tokens_per_s"] / modes["ar"]["tokens_per_s"]

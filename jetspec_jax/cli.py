@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import ctypes
 import json
 import os
@@ -185,8 +186,9 @@ def _check_positions(cfg, what: str, prompt_len: int, max_new_tokens: int) -> No
 def cmd_generate(args) -> dict:
   import jax
   from jetspec_jax.convert import load_head, load_target, read_target_config
-  from jetspec_jax.decode.loop import generate_ar
-  from jetspec_jax.decode.speculative import TreeConfig, generate_speculative
+  from jetspec_jax import bench
+  from jetspec_jax.decode.generation import Generator, SamplingConfig
+  from jetspec_jax.decode.speculative import TreeConfig
   if args.max_new_tokens < 1:
     raise JetSpecError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
   if args.temperature < 0:
@@ -212,28 +214,31 @@ def cmd_generate(args) -> dict:
     raise JetSpecError(f"--eos-ids id {outside[0]} is outside the vocabulary (size {cfg.vocab_size})")
   _check_positions(cfg, f"the prompt ({len(ids)} tokens)", len(ids), args.max_new_tokens)
   _, params, _ = load_target(args.target, dtype, mesh)
+  sampling_cfg = SamplingConfig(args.temperature, args.top_k, args.top_p, args.accept, args.seed)
+  head = {}
   if args.head:
     head_cfg, head_params = load_head(args.head, dtype, mesh, target_cfg=cfg)
     tree = TreeConfig(args.tree, args.budget, args.width, head_cfg.depth if args.depth is None else args.depth)
-    out = generate_speculative(params, cfg, head_params, head_cfg, [ids], max_new_tokens=args.max_new_tokens,
-                               tree_cfg=tree, eos_ids=eos, attn_impl=impl, mesh=mesh, temperature=args.temperature,
-                               top_k=args.top_k, top_p=args.top_p, accept=args.accept, seed=args.seed)
-  else:
-    out = generate_ar(params, cfg, [ids], max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                      eos_ids=eos, seed=args.seed, attn_impl=impl, mesh=mesh, top_k=args.top_k, top_p=args.top_p)
-  tokens = out.pop("token_ids")[0]
+    head = dict(head_cfg=head_cfg, head_params=head_params, tree=tree)
+  generator = Generator(cfg, params, sampling_cfg=sampling_cfg, eos_ids=eos, attn_impl=impl, mesh=mesh, **head)
+  out = generator.generate([ids], args.max_new_tokens)
+  tokens = out.tokens[0]
   res = {"token_ids": tokens, "prompt_ids": ids, "mode": "speculative" if args.head else "autoregressive",
-         "attention": impl, "backend": jax.default_backend(), **out,
-         "tokens_per_s": len(tokens) / max(out["decode_s"] + out["prefill_s"], 1e-9)}
+         "attention": impl, "backend": jax.default_backend(), "num_tokens": len(tokens),
+         "target_forwards": out.target_forwards, "prefill_s": out.prefill_s, "decode_s": out.decode_s,
+         "tokens_per_s": len(tokens) / max(out.decode_s + out.prefill_s, 1e-9),
+         "sampling": generator.sampling.describe()}
+  if args.head:
+    res.update(bench.acceptance([out]), tree=dataclasses.asdict(tree) | {"num_nodes": tree.num_nodes()})
   if tokenizer is None and os.path.isfile(os.path.join(side, "tokenizer.json")):
     tokenizer = _load_tokenizer(side)
   if tokenizer is not None:
     res["text"] = tokenizer.decode(tokens, skip_special_tokens=False)
   lines = [res.get("text", " ".join(map(str, tokens))), "",
-           f"{len(tokens)} tokens ({res['mode']}, {impl} attention): prefill {out['prefill_s']:.3f}s, "
-           f"decode {out['decode_s']:.3f}s (compile included on first call)"]
+           f"{len(tokens)} tokens ({res['mode']}, {impl} attention): prefill {out.prefill_s:.3f}s, "
+           f"decode {out.decode_s:.3f}s (compile included on first call)"]
   if args.head:
-    lines.append(f"rounds {out['rounds']}, tau {out['tau']:.2f}, tree {out['tree']}, sampling {out['sampling']}")
+    lines.append(f"rounds {res['rounds']}, tau {res['tau']:.2f}, tree {res['tree']}, sampling {res['sampling']}")
   _emit(args, res, "\n".join(lines))
   return res
 
@@ -295,7 +300,7 @@ def cmd_bench(args) -> dict:
         params, cfg, head_params, head_cfg, prompts, max_new_tokens=args.max_new_tokens, budgets=budgets,
         width=args.width, depth=args.depth, methods=args.tree or ["accum_logp"], batch_size=args.batch_size,
         repeats=args.repeats,
-        eos_ids=None if args.stop_at_eos else (), attn_impl=impl,
+        eos_ids=None if args.stop_at_eos else (), attn_impl=impl, mesh=mesh,
         hf_dir=side if args.transformers and not os.path.isdir(os.path.join(side, "params")) else None,
         progress=say)
   res = {"target": os.path.abspath(args.target), "head": os.path.abspath(args.head), "banks": results}

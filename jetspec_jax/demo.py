@@ -29,7 +29,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jetspec_jax import bench, convert
-from jetspec_jax.decode.speculative import TreeConfig, generate_speculative
+from jetspec_jax.decode.generation import Generator
+from jetspec_jax.decode.speculative import TreeConfig
 from jetspec_jax.models import draft_head, qwen3
 from jetspec_jax.stages import Stage, StageSpec, stage_key_parts
 
@@ -266,11 +267,9 @@ def run(workdir: str | None = None, settings: DemoSettings = DemoSettings(), qui
                   budgets=s.bench_budgets, width=s.bench_width, methods=s.bench_trees, repeats=s.bench_repeats,
                   eos_ids=(),
                   progress=lambda m: say(f"  {bank}: {m}"))
-    base = generate_speculative(params, cfg, untrained, head_cfg, prompts, max_new_tokens=s.bench_new_tokens,
-                                tree_cfg=TreeConfig(s.bench_trees[0], max(s.bench_budgets), s.bench_width,
-                                                    head_cfg.depth),
-                                eos_ids=())
-    r["untrained_tree_tau"] = base["tau"]
+    tree = TreeConfig(s.bench_trees[0], max(s.bench_budgets), s.bench_width, head_cfg.depth)
+    base = Generator(cfg, params, head_cfg=head_cfg, head_params=untrained, tree=tree, eos_ids=())
+    r["untrained_tree_tau"] = bench.acceptance([base.generate(prompts, s.bench_new_tokens)])["tau"]
     r["plots"] = bench.plots(r, os.path.join(root, "bench", bank))
     res["bench"][bank] = r
   res["head_dir"] = head_dir

@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 
 from jetspec_jax.config import Qwen3Config
-from jetspec_jax.decode.loop import generate_ar
-from jetspec_jax.decode.speculative import TreeConfig, generate_speculative
+from jetspec_jax.decode.generation import Generator
+from jetspec_jax.decode.prompts import batch_prompts
+from jetspec_jax.decode.speculative import TreeConfig
 from jetspec_jax.models import draft_head, qwen3
 from jetspec_jax.sharding import make_mesh
 
@@ -32,16 +33,15 @@ def place(params, specs, mesh):
 @functools.lru_cache(maxsize=None)
 def reference():
   tp, hcfg, hp = models()
-  return generate_speculative(tp, CFG, hp, hcfg, PROMPTS, max_new_tokens=10, tree_cfg=TREE)["token_ids"]
+  return Generator(CFG, tp, head_cfg=hcfg, head_params=hp, tree=TREE).generate(PROMPTS, 10).tokens
 
 
 def test_pallas_interpret_matches_xla_in_the_speculative_loop():
   tp, hcfg, hp = models()
-  out = generate_speculative(tp, CFG, hp, hcfg, PROMPTS, max_new_tokens=10, tree_cfg=TREE,
-                             attn_impl="pallas_interpret")
-  assert out["token_ids"] == reference()
-  ar = generate_ar(tp, CFG, PROMPTS, max_new_tokens=10, attn_impl="pallas_interpret")
-  assert ar["token_ids"] == reference()
+  out = Generator(CFG, tp, head_cfg=hcfg, head_params=hp, tree=TREE, attn_impl="pallas_interpret").generate(PROMPTS, 10)
+  assert out.tokens == reference()
+  ar = Generator(CFG, tp, attn_impl="pallas_interpret").generate(PROMPTS, 10)
+  assert ar.tokens == reference()
 
 
 def test_the_loops_use_the_active_kernel_tuning_table(tmp_path, monkeypatch):
@@ -57,10 +57,11 @@ def test_the_loops_use_the_active_kernel_tuning_table(tmp_path, monkeypatch):
   monkeypatch.setattr(ta, "_launch", lambda *a, shapes, **kw: (launched.append(shapes), launch(*a, shapes=shapes, **kw))[1])
   tp, hcfg, hp = models()
   new = 7                                  # shapes no other test traces: nothing compiled earlier is reused
-  ref = generate_speculative(tp, CFG, hp, hcfg, PROMPTS, max_new_tokens=new, tree_cfg=TREE)["token_ids"]
-  out = generate_speculative(tp, CFG, hp, hcfg, PROMPTS, max_new_tokens=new, tree_cfg=TREE, attn_impl="pallas_interpret")
-  assert out["token_ids"] == ref
-  assert generate_ar(tp, CFG, PROMPTS, max_new_tokens=new, attn_impl="pallas_interpret")["token_ids"] == ref
+  ref = Generator(CFG, tp, head_cfg=hcfg, head_params=hp, tree=TREE).generate(PROMPTS, new).tokens
+  kernel = Generator(CFG, tp, head_cfg=hcfg, head_params=hp, tree=TREE, attn_impl="pallas_interpret")
+  out = kernel.generate(PROMPTS, new)
+  assert out.tokens == ref
+  assert Generator(CFG, tp, attn_impl="pallas_interpret").generate(PROMPTS, new).tokens == ref
   assert launched and all((s.block_r, s.block_k, s.num_warps, s.num_stages, s.num_splits) == (16, 16, 2, 3, 2)
                           for s in launched)
 
@@ -74,9 +75,8 @@ def test_speculative_loop_on_a_2x2_mesh(impl):
   tp = place(tp, qwen3.param_specs(CFG), mesh)
   hp = place(hp, draft_head.param_specs(hcfg), mesh)
   assert "model" in str(tp["layers.0.attn.q_proj"].sharding.spec)
-  out = generate_speculative(tp, CFG, hp, hcfg, PROMPTS, max_new_tokens=10, tree_cfg=TREE, attn_impl=impl,
-                             mesh=mesh)
-  assert out["token_ids"] == reference()
+  out = Generator(CFG, tp, head_cfg=hcfg, head_params=hp, tree=TREE, attn_impl=impl, mesh=mesh).generate(PROMPTS, 10)
+  assert out.tokens == reference()
 
 
 def _long_prompts():
@@ -95,11 +95,11 @@ def test_prefix_splits_in_the_loops_match_xla():
     shapes = launch_shapes(2, num_q, CFG.num_attention_heads, CFG.num_key_value_heads, CFG.head_dim,
                            cache_len=target_len - num_q)
     assert shapes.num_splits >= 2
-  ref = generate_speculative(tp, CFG, hp, hcfg, prompts, max_new_tokens=new, tree_cfg=TREE)["token_ids"]
-  out = generate_speculative(tp, CFG, hp, hcfg, prompts, max_new_tokens=new, tree_cfg=TREE,
-                             attn_impl="pallas_interpret")
-  assert out["token_ids"] == ref
-  assert generate_ar(tp, CFG, prompts, max_new_tokens=new, attn_impl="pallas_interpret")["token_ids"] == ref
+  ref = Generator(CFG, tp, head_cfg=hcfg, head_params=hp, tree=TREE).generate(prompts, new).tokens
+  kernel = Generator(CFG, tp, head_cfg=hcfg, head_params=hp, tree=TREE, attn_impl="pallas_interpret")
+  out = kernel.generate(prompts, new)
+  assert out.tokens == ref
+  assert Generator(CFG, tp, attn_impl="pallas_interpret").generate(prompts, new).tokens == ref
 
 
 def test_decode_loops_lower_for_cuda_with_the_kernel(triton_modules):
@@ -107,7 +107,7 @@ def test_decode_loops_lower_for_cuda_with_the_kernel(triton_modules):
   machine, and every Triton module they contain verifies."""
   from jetspec_jax.decode import loop, speculative
   tp, hcfg, hp = models()
-  tokens, lengths = loop.batch_prompts(PROMPTS, CFG.vocab_size)
+  tokens, lengths = batch_prompts(PROMPTS, CFG.vocab_size)
   target_len, draft_len = speculative.cache_lengths(tokens.shape[1], 10, hcfg, TREE)
   base, taps = loop.prefill(tp, qwen3.init_cache(CFG, 2, target_len, tp["embed"].dtype), tokens, lengths,
                             jax.random.key(0), cfg=CFG, max_new_tokens=10, eos_ids=(), temperature=0.0,

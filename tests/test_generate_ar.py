@@ -6,7 +6,8 @@ import pytest
 import torch
 
 import hf_fixtures
-from jetspec_jax.decode import loop, prompts as prompts_lib
+from jetspec_jax.decode import prompts as prompts_lib
+from jetspec_jax.decode.generation import Generator
 from jetspec_jax.errors import JetSpecError
 
 NAME = "dense_gqa4"       # untied, GQA 4, head_dim != hidden/heads, theta 500
@@ -32,16 +33,16 @@ def test_reference_is_not_degenerate(hf_reference):
 
 def test_batch1_matches_transformers(target, hf_reference):
   cfg, params = target
-  out = loop.generate_ar(params, cfg, [PROMPTS[0]], max_new_tokens=MAX_NEW, temperature=0.0)
-  assert out["token_ids"] == [hf_reference[0]]
-  assert out["num_tokens"] == MAX_NEW
-  assert out["target_forwards"] == MAX_NEW
+  out = Generator(cfg, params).generate([PROMPTS[0]], MAX_NEW)
+  assert out.tokens == [hf_reference[0]]
+  assert out.num_tokens.tolist() == [MAX_NEW]
+  assert out.target_forwards == MAX_NEW
 
 
 def test_batch3_ragged_prompts_match_transformers(target, hf_reference):
   cfg, params = target
-  out = loop.generate_ar(params, cfg, PROMPTS, max_new_tokens=MAX_NEW, temperature=0.0)
-  assert out["token_ids"] == hf_reference
+  out = Generator(cfg, params).generate(PROMPTS, MAX_NEW)
+  assert out.tokens == hf_reference
 
 
 def test_batch3_matches_transformers_left_padded_batch(target, hf_reference):
@@ -61,8 +62,8 @@ def test_batch3_matches_transformers_left_padded_batch(target, hf_reference):
   # from_padded on exactly that left-padded batch gives the same generation.
   rows = prompts_lib.from_padded(ids.numpy(), mask.numpy())
   assert rows == PROMPTS
-  out = loop.generate_ar(params, cfg, rows, max_new_tokens=MAX_NEW, temperature=0.0)
-  assert out["token_ids"] == hf
+  out = Generator(cfg, params).generate(rows, MAX_NEW)
+  assert out.tokens == hf
 
 
 @pytest.mark.parametrize("side", ["left", "right"])
@@ -77,8 +78,8 @@ def test_from_padded_gives_same_generation(side, target, hf_reference):
     mask[i, sl] = 1
   rows = prompts_lib.from_padded(tokens, mask)
   assert rows == PROMPTS
-  out = loop.generate_ar(params, cfg, rows, max_new_tokens=MAX_NEW, temperature=0.0)
-  assert out["token_ids"] == hf_reference
+  out = Generator(cfg, params).generate(rows, MAX_NEW)
+  assert out.tokens == hf_reference
 
 
 def test_from_padded_rejects_bad_masks():
@@ -106,9 +107,9 @@ def test_eos_stops_right_after_it_like_transformers(target, hf_reference):
   assert expected[-1] == eos and eos not in expected[:-1]
   hf = hf_fixtures.hf_greedy(model, PROMPTS[0], MAX_NEW, eos_id=eos)
   assert hf == expected, "transformers includes the EOS and stops"
-  out = loop.generate_ar(params, cfg, [PROMPTS[0]], max_new_tokens=MAX_NEW, temperature=0.0, eos_ids=[eos])
-  assert out["token_ids"] == [expected]
-  assert out["target_forwards"] == k + 1
+  out = Generator(cfg, params, eos_ids=[eos]).generate([PROMPTS[0]], MAX_NEW)
+  assert out.tokens == [expected]
+  assert out.target_forwards == k + 1
 
 
 def test_eos_in_a_batch_stops_only_that_row(target, hf_reference):
@@ -116,27 +117,27 @@ def test_eos_in_a_batch_stops_only_that_row(target, hf_reference):
   cfg, params = target
   eos, k = _eos_choice(hf_reference[0])
   cfg = dataclasses.replace(cfg, eos_token_ids=(eos,))
-  out = loop.generate_ar(params, cfg, PROMPTS, max_new_tokens=MAX_NEW, temperature=0.0)
-  for got, ref in zip(out["token_ids"], hf_reference):
+  out = Generator(cfg, params).generate(PROMPTS, MAX_NEW)
+  for got, ref in zip(out.tokens, hf_reference):
     cut = ref.index(eos) + 1 if eos in ref else len(ref)
     assert got == ref[:cut]
-  assert out["token_ids"][0] == hf_reference[0][:k + 1]
+  assert out.tokens[0] == hf_reference[0][:k + 1]
 
 
 def test_moe_batch1_matches_transformers(jax_target):
   cfg, params = jax_target("moe_norm")
   prompt = [7, 1, 90, 33, 12]
   ref = hf_fixtures.hf_greedy(hf_fixtures.named_model("moe_norm"), prompt, 10)
-  out = loop.generate_ar(params, cfg, [prompt], max_new_tokens=10, temperature=0.0)
-  assert out["token_ids"] == [ref]
+  out = Generator(cfg, params).generate([prompt], 10)
+  assert out.tokens == [ref]
 
 
 def test_bad_prompts_raise(target):
   cfg, params = target
   with pytest.raises(JetSpecError, match="at least one token"):
-    loop.generate_ar(params, cfg, [[1, 2], []], max_new_tokens=2)
+    Generator(cfg, params).generate([[1, 2], []], 2)
   with pytest.raises(JetSpecError, match="outside the vocabulary"):
-    loop.generate_ar(params, cfg, [[1, cfg.vocab_size]], max_new_tokens=2)
+    Generator(cfg, params).generate([[1, cfg.vocab_size]], 2)
 
 
 def test_bfloat16_generation_runs_on_cpu(hf_dir):
@@ -144,6 +145,6 @@ def test_bfloat16_generation_runs_on_cpu(hf_dir):
   from jetspec_jax import convert
   cfg, params, _ = convert.load_target(hf_dir("dense", "bfloat16"))
   assert cfg.num_key_value_heads == 2
-  out = loop.generate_ar(params, cfg, [[1, 2, 3], [4, 5]], max_new_tokens=5)
-  assert [len(t) for t in out["token_ids"]] == [5, 5]
-  assert all(0 <= t < cfg.vocab_size for row in out["token_ids"] for t in row)
+  out = Generator(cfg, params).generate([[1, 2, 3], [4, 5]], 5)
+  assert [len(t) for t in out.tokens] == [5, 5]
+  assert all(0 <= t < cfg.vocab_size for row in out.tokens for t in row)

@@ -18,8 +18,8 @@ from jax.sharding import NamedSharding
 import hf_fixtures
 from jetspec_jax import sharding
 from jetspec_jax.config import Qwen3Config
-from jetspec_jax.decode.loop import generate_ar
-from jetspec_jax.decode.speculative import TreeConfig, generate_speculative
+from jetspec_jax.decode.generation import Generator
+from jetspec_jax.decode.speculative import TreeConfig
 from jetspec_jax.models import draft_head, moe, qwen3
 from jetspec_jax.models.params import declared_specs
 
@@ -310,8 +310,8 @@ def test_speculative_is_lossless_on_moe_target():
   prompts = [[1, 2, 3, 4, 5], [9, 10, 11, 12, 13, 14, 15, 16]]
   hcfg = draft_head.DraftConfig.for_target(MOE, num_layers=1, block_size=5)
   hparams = draft_head.init_head(hcfg, jax.random.key(1))
-  ar = generate_ar(moe_target(), MOE, prompts, max_new_tokens=14)["token_ids"]
+  ar = Generator(MOE, moe_target()).generate(prompts, 14).tokens
   assert len({tuple(t) for t in ar}) == 2 and all(len(set(t)) > 3 for t in ar)
-  out = generate_speculative(moe_target(), MOE, hparams, hcfg, prompts, max_new_tokens=14,
-                             tree_cfg=TreeConfig("accum_logp", 16, 3, 4))
-  assert out["token_ids"] == ar
+  out = Generator(MOE, moe_target(), head_cfg=hcfg, head_params=hparams,
+                  tree=TreeConfig("accum_logp", 16, 3, 4)).generate(prompts, 14)
+  assert out.tokens == ar

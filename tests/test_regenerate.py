@@ -10,7 +10,7 @@ import pytest
 
 from jetspec_jax import tokenizer as tok_lib
 from jetspec_jax.config import Qwen3Config
-from jetspec_jax.decode import loop
+from jetspec_jax.decode.generation import Generator
 from jetspec_jax.errors import JetSpecError
 from jetspec_jax.models import qwen3
 from jetspec_jax.train import data, regenerate as regen
@@ -57,7 +57,7 @@ def target(tok):
                               else 0.3 * rng.standard_normal(spec.shape), jnp.float32)
             for name, spec in qwen3.param_specs(cfg).items()}
   prompt = data.ChatEncoder(tok).prompt_ids(source_conversations()[0][:1])
-  first = loop.generate_ar(params, cfg, [prompt], max_new_tokens=MAX_NEW, eos_ids=())["token_ids"][0]
+  first = Generator(cfg, params, eos_ids=()).generate([prompt], MAX_NEW).tokens[0]
   return Qwen3Config(**{**cfg.__dict__, "eos_token_ids": (first[2],)}), params
 
 
@@ -117,7 +117,7 @@ def test_regenerate_resumes_exactly_once_and_matches_greedy(tmp_path, tok, targe
       if m["role"] == "assistant":
         prompts.append(enc.prompt_ids(msgs[:i]))
         contents.append(m["content"])
-  reference = loop.generate_ar(params, cfg, prompts, max_new_tokens=MAX_NEW, eos_ids=eos)["token_ids"]
+  reference = Generator(cfg, params, eos_ids=eos).generate(prompts, MAX_NEW).tokens
   generated = [m["token_ids"] for r in rows for m in r["messages"] if m["role"] == "assistant"]
   for ids, content, kept in zip(reference, contents, generated):
     assert kept == (ids[:-1] if ids[-1] in eos else ids) and content == tok.decode(kept)

@@ -27,9 +27,11 @@ from scipy import stats
 import hf_fixtures
 from jetspec_jax.config import Qwen3Config
 from jetspec_jax.decode import sampling, speculative
-from jetspec_jax.decode.loop import generate_ar, prefill
+from jetspec_jax.bench import acceptance
+from jetspec_jax.decode.generation import Generator, SamplingConfig
+from jetspec_jax.decode.loop import prefill
 from jetspec_jax.decode.prompts import batch_prompts
-from jetspec_jax.decode.speculative import SpecState, TreeConfig, generate_speculative
+from jetspec_jax.decode.speculative import SpecState, TreeConfig
 from jetspec_jax.errors import JetSpecError
 from jetspec_jax.models import draft_head, qwen3
 
@@ -157,7 +159,7 @@ def drafter_for(variants, temperature, top_k, top_p):
 
 def run_spec(tree_cfg, variants, *, batch, max_new, temperature, top_k=0, top_p=1.0, accept, seed=0,
              first_round_only=False):
-  """generate_speculative's steps, returning per-sequence tokens [B, M] and depth histograms [B, D+1].
+  """A speculative Generator's steps, returning per-sequence tokens [B, M] and depth histograms [B, D+1].
 
   first_round_only: start the loop one token short of max_new, so every sequence runs one round
   (same shapes, so no recompilation)."""
@@ -175,7 +177,7 @@ def run_spec(tree_cfg, variants, *, batch, max_new, temperature, top_k=0, top_p=
   dcache = speculative.prefill_context(hparams, dcache, taps, head_cfg=hcfg)
   state = SpecState(base=base, draft_cache=dcache, rounds=jnp.zeros((batch,), jnp.int32),
                     depth_hist=jnp.zeros((batch, tree_cfg.depth + 1), jnp.int32))
-  # Keyword arguments as generate_speculative passes them (the same jit cache entries).
+  # Keyword arguments as Generator.decode passes them (the same jit cache entries).
   state = speculative.spec_decode(params, hparams, state, cfg=CFG, head_cfg=hcfg, tree_cfg=tree_cfg, eos_ids=(),
                                   attn_impl="xla", mesh=None, drafter=drafter_for(variants, temperature, top_k, top_p),
                                   temperature=temperature, top_k=top_k, top_p=top_p, accept=accept)
@@ -246,30 +248,33 @@ def test_match_accepts_with_the_mass_of_the_children():
 
 def test_ar_sampling_matches_the_target_and_is_reproducible():
   temperature, top_k, top_p = 0.8, 0, 0.9
-  out = generate_ar(target(), CFG, [PROMPT] * 8000, max_new_tokens=NUM_TOKENS, temperature=temperature,
-                    top_k=top_k, top_p=top_p, eos_ids=(), seed=3)
-  tokens = np.array(out["token_ids"])
+  ar = Generator(CFG, target(), sampling_cfg=SamplingConfig(temperature, top_k, top_p, seed=3), eos_ids=())
+  out = ar.generate([PROMPT] * 8000, NUM_TOKENS)
+  tokens = np.array(out.tokens)
   check_distribution(tokens, temperature, top_k, top_p, "ar")
-  again = generate_ar(target(), CFG, [PROMPT] * 8000, max_new_tokens=NUM_TOKENS, temperature=temperature,
-                      top_k=top_k, top_p=top_p, eos_ids=(), seed=3)
-  assert again["token_ids"] == out["token_ids"]
+  again = ar.generate([PROMPT] * 8000, NUM_TOKENS)
+  assert again.tokens == out.tokens
 
 
 def test_speculative_sampling_is_reproducible_from_the_seed():
-  """generate_speculative at temperature > 0 (same static arguments and shapes as the first case of
+  """A speculative Generator at temperature > 0 (same static arguments and shapes as the first case of
   SPEC_CASES, so nothing recompiles): a seed fixes the output; sequences draw independently."""
   accept, tree_cfg, variants, temperature, top_k, top_p, max_new = SPEC_CASES[0]
   hcfg, hparams = head()
-  kw = dict(max_new_tokens=max_new, tree_cfg=tree_cfg, temperature=temperature, top_k=top_k, top_p=top_p,
-            accept=accept, eos_ids=(), drafter=drafter_for(variants, temperature, top_k, top_p))
-  a = generate_speculative(target(), CFG, hparams, hcfg, [PROMPT] * BATCH, seed=5, **kw)
-  b = generate_speculative(target(), CFG, hparams, hcfg, [PROMPT] * BATCH, seed=5, **kw)
-  c = generate_speculative(target(), CFG, hparams, hcfg, [PROMPT] * BATCH, seed=6, **kw)
-  assert a["token_ids"] == b["token_ids"] != c["token_ids"]
-  assert len(set(map(tuple, a["token_ids"][:16]))) > 1                    # per-sequence keys
-  assert a["sampling"] == {"temperature": 1.0, "top_k": 3, "top_p": 1.0, "accept": "rejection", "seed": 5}
-  assert 1.0 < a["tau"] <= tree_cfg.depth + 1
-  assert a["rounds"] == b["rounds"] and len(a["acceptance_by_depth"]) == tree_cfg.depth
+
+  def generator(seed):
+    return Generator(CFG, target(), head_cfg=hcfg, head_params=hparams, tree=tree_cfg, eos_ids=(),
+                     sampling_cfg=SamplingConfig(temperature, top_k, top_p, accept, seed),
+                     drafter=drafter_for(variants, temperature, top_k, top_p))
+
+  a, b, c = (generator(seed).generate([PROMPT] * BATCH, max_new) for seed in (5, 5, 6))
+  assert a.tokens == b.tokens != c.tokens
+  assert len(set(map(tuple, a.tokens[:16]))) > 1                    # per-sequence keys
+  assert generator(5).sampling.describe() == {"temperature": 1.0, "top_k": 3, "top_p": 1.0, "accept": "rejection",
+                                              "seed": 5}
+  acc_a, acc_b = acceptance([a]), acceptance([b])
+  assert 1.0 < acc_a["tau"] <= tree_cfg.depth + 1
+  assert acc_a["rounds"] == acc_b["rounds"] and len(acc_a["acceptance_by_depth"]) == tree_cfg.depth
 
 
 def _reference_process(logits, temperature, top_k, top_p):
@@ -316,6 +321,6 @@ def test_invalid_sampling_options():
   for kw in (dict(temperature=-1.0), dict(temperature=1.0, top_p=0.0), dict(temperature=1.0, top_p=1.5),
              dict(temperature=1.0, top_k=-2), dict(temperature=1.0, accept="greedy")):
     with pytest.raises(JetSpecError):
-      generate_speculative(target(), CFG, hparams, hcfg, [PROMPT], max_new_tokens=2, **kw)
+      Generator(CFG, target(), head_cfg=hcfg, head_params=hparams, sampling_cfg=SamplingConfig(**kw))
   with pytest.raises(JetSpecError):
-    generate_ar(target(), CFG, [PROMPT], max_new_tokens=2, temperature=1.0, top_p=0.0)
+    Generator(CFG, target(), sampling_cfg=SamplingConfig(temperature=1.0, top_p=0.0))

@@ -8,7 +8,7 @@ from jax.sharding import PartitionSpec as P
 import hf_fixtures
 from jetspec_jax import convert, sharding
 from jetspec_jax.config import Qwen3Config
-from jetspec_jax.decode import loop
+from jetspec_jax.decode.generation import Generator
 from jetspec_jax.errors import JetSpecError
 from jetspec_jax.models import qwen3
 
@@ -73,13 +73,13 @@ def test_sharded_generation_equals_unsharded(data, model, batch, hf_dir, jax_tar
   """2x4: batch sharded, KV heads replicated; 4x2: batch 3 replicated, KV heads sharded."""
   cfg, ref_params = jax_target("shard_dense")
   prompts = [[1, 2, 3, 4, 5], [9, 8], [40, 41, 42], [77]][:batch]
-  ref = loop.generate_ar(ref_params, cfg, prompts, max_new_tokens=6)
+  ref = Generator(cfg, ref_params).generate(prompts, 6)
   hf = [hf_fixtures.hf_greedy(hf_fixtures.named_model("shard_dense"), p, 6) for p in prompts]
-  assert ref["token_ids"] == hf
+  assert ref.tokens == hf
   mesh = sharding.make_mesh(data, model)
   _, params, _ = convert.load_target(hf_dir("shard_dense"), jnp.float32, mesh)
-  out = loop.generate_ar(params, cfg, prompts, max_new_tokens=6, mesh=mesh)
-  assert out["token_ids"] == ref["token_ids"]
+  out = Generator(cfg, params, mesh=mesh).generate(prompts, 6)
+  assert out.tokens == ref.tokens
 
 
 def test_converted_checkpoint_restores_into_another_mesh(hf_dir, jax_target, tmp_path):

@@ -6,9 +6,10 @@ import jax.numpy as jnp
 import pytest
 
 import hf_fixtures
+from jetspec_jax.bench import acceptance
 from jetspec_jax.config import Qwen3Config
-from jetspec_jax.decode.loop import generate_ar
-from jetspec_jax.decode.speculative import TreeConfig, generate_speculative
+from jetspec_jax.decode.generation import Generator
+from jetspec_jax.decode.speculative import TreeConfig
 from jetspec_jax.models import draft_head, qwen3
 
 CFG = Qwen3Config(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
@@ -32,7 +33,7 @@ def head(block_size=16, causal=True):
 @functools.lru_cache(maxsize=None)
 def ar_tokens(batch, max_new, eos=()):
   prompts = PROMPTS3[:batch]
-  return generate_ar(target(), CFG, prompts, max_new_tokens=max_new, eos_ids=eos)["token_ids"]
+  return Generator(CFG, target(), eos_ids=eos).generate(prompts, max_new).tokens
 
 
 LOSSLESS_CASES = [
@@ -54,9 +55,9 @@ LOSSLESS_CASES = [
 def test_lossless_random_head(method, budget, width, depth, batch, max_new):
   hcfg, hparams = head()
   tc = TreeConfig(method, budget, width, depth)
-  out = generate_speculative(target(), CFG, hparams, hcfg, PROMPTS3[:batch], max_new_tokens=max_new, tree_cfg=tc)
-  assert out["token_ids"] == ar_tokens(batch, max_new)
-  assert all(len(t) == max_new for t in out["token_ids"])
+  out = Generator(CFG, target(), head_cfg=hcfg, head_params=hparams, tree=tc).generate(PROMPTS3[:batch], max_new)
+  assert out.tokens == ar_tokens(batch, max_new)
+  assert all(len(t) == max_new for t in out.tokens)
 
 
 def test_lossless_with_eos_inside_a_round():
@@ -65,18 +66,18 @@ def test_lossless_with_eos_inside_a_round():
   expected = ar_tokens(3, 24, eos)
   assert any(len(t) < 24 for t in expected)
   hcfg, hparams = head()
-  out = generate_speculative(target(), CFG, hparams, hcfg, PROMPTS3, max_new_tokens=24, eos_ids=eos,
-                             tree_cfg=TreeConfig("accum_logp", 16, 3, 4))
-  assert out["token_ids"] == expected
-  for toks in out["token_ids"]:
+  out = Generator(CFG, target(), head_cfg=hcfg, head_params=hparams, tree=TreeConfig("accum_logp", 16, 3, 4),
+                  eos_ids=eos).generate(PROMPTS3, 24)
+  assert out.tokens == expected
+  for toks in out.tokens:
     assert not any(t in eos for t in toks[:-1])    # nothing emitted past an EOS
 
 
 def test_bidirectional_head_is_lossless():
   hcfg, hparams = head(block_size=5, causal=False)
-  out = generate_speculative(target(), CFG, hparams, hcfg, PROMPTS3, max_new_tokens=12,
-                             tree_cfg=TreeConfig("accum_logp", 16, 3, 4))
-  assert out["token_ids"] == ar_tokens(3, 12)
+  out = Generator(CFG, target(), head_cfg=hcfg, head_params=hparams,
+                  tree=TreeConfig("accum_logp", 16, 3, 4)).generate(PROMPTS3, 12)
+  assert out.tokens == ar_tokens(3, 12)
 
 
 def _greedy_continuation(target_params, state, depth):
@@ -113,18 +114,21 @@ def test_perfect_drafter_accepts_every_depth(tc):
   hcfg, hparams = head()
   rounds = 3
   max_new = 1 + rounds * (tc.depth + 1)            # prefill token + full rounds
-  out = generate_speculative(target(), CFG, hparams, hcfg, PROMPTS3, max_new_tokens=max_new, tree_cfg=tc,
-                             drafter=PERFECT)
-  assert out["token_ids"] == ar_tokens(3, max_new)
-  assert out["tau"] == tc.depth + 1
-  assert out["rounds"] == 3 * rounds
-  assert out["depth_histogram"] == [0] * tc.depth + [3 * rounds]
+  out = Generator(CFG, target(), head_cfg=hcfg, head_params=hparams, tree=tc, drafter=PERFECT).generate(PROMPTS3,
+                                                                                                         max_new)
+  assert out.tokens == ar_tokens(3, max_new)
+  assert out.rounds.tolist() == [rounds] * 3
+  acc = acceptance([out])
+  assert acc["tau"] == tc.depth + 1
+  assert acc["rounds"] == 3 * rounds
+  assert acc["depth_histogram"] == [0] * tc.depth + [3 * rounds]
 
 
 def test_wrong_drafter_gives_tau_one():
   hcfg, hparams = head()
-  out = generate_speculative(target(), CFG, hparams, hcfg, PROMPTS3, max_new_tokens=7,
-                             tree_cfg=TreeConfig("chain", 1, 1, 4), drafter=WRONG)
-  assert out["token_ids"] == ar_tokens(3, 7)
-  assert out["tau"] == 1.0
-  assert out["acceptance_by_depth"] == [0.0] * 4
+  out = Generator(CFG, target(), head_cfg=hcfg, head_params=hparams, tree=TreeConfig("chain", 1, 1, 4),
+                  drafter=WRONG).generate(PROMPTS3, 7)
+  assert out.tokens == ar_tokens(3, 7)
+  acc = acceptance([out])
+  assert acc["tau"] == 1.0
+  assert acc["acceptance_by_depth"] == [0.0] * 4

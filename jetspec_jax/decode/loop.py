@@ -1,23 +1,19 @@
-"""Generation loops. Each runs the whole generation on device: one jitted prefill, then one
-jitted ``lax.while_loop`` over a donated state; only the final result comes back to the host.
+"""The AR generation programs: one jitted prefill, then one jitted ``lax.while_loop`` over a donated
+state; only the final result comes back to the host (``decode.generation.Generator`` runs them).
 
-The AR loop is the baseline; the speculative loop (``decode.speculative``) shares the target
-forward, ``DecodeState`` and ``commit_tokens``.
+The AR loop is the baseline; the speculative loop (``decode.speculative``) shares the prefill,
+``DecodeState`` and ``commit_tokens``.
 """
 from __future__ import annotations
 
 import functools
-import time
 
 import flax.struct
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jetspec_jax.config import Qwen3Config
-from jetspec_jax.decode.prompts import batch_prompts
-from jetspec_jax.decode.sampling import sample_tokens, sequence_keys, step_keys, validate_sampling
-from jetspec_jax.distributed import host_values
+from jetspec_jax.decode.sampling import sample_tokens, sequence_keys, step_keys
 from jetspec_jax.models import qwen3
 
 
@@ -111,36 +107,3 @@ def ar_decode(params, state: DecodeState, *, cfg: Qwen3Config, eos_ids: tuple[in
 def resolve_eos(cfg: Qwen3Config, eos_ids) -> tuple[int, ...]:
   """Explicit EOS ids, or the config's (empty tuple: never stop early)."""
   return tuple(int(e) for e in (cfg.eos_token_ids if eos_ids is None else eos_ids))
-
-
-def block_until_ready(tree):
-  return jax.tree_util.tree_map(lambda x: x.block_until_ready() if hasattr(x, "block_until_ready") else x, tree)
-
-
-def generate_ar(params, cfg: Qwen3Config, prompts, *, max_new_tokens: int, temperature: float = 0.0,
-                eos_ids=None, seed: int = 0, attn_impl: str = "xla", mesh=None, cache_dtype=None,
-                top_k: int = 0, top_p: float = 1.0) -> dict:
-  """Autoregressive generation for a list of token-id prompts. Returns token lists and timing.
-
-  temperature 0 is greedy; otherwise tokens are sampled from the processed distribution
-  (``decode.sampling``: temperature, then top_k (0 = off), then top_p (1 = off)) with
-  per-sequence keys derived from ``seed`` (reproducible)."""
-  validate_sampling(temperature, top_k, top_p)
-  top_k, top_p = (0, 1.0) if temperature == 0 else (int(top_k), float(top_p))
-  tokens, lengths = batch_prompts(prompts, cfg.vocab_size)
-  eos = resolve_eos(cfg, eos_ids)
-  dtype = cache_dtype or params["embed"].dtype
-  cache = qwen3.init_cache(cfg, len(prompts), tokens.shape[1] + max_new_tokens, dtype, mesh)
-  t0 = time.perf_counter()
-  state, _ = prefill(params, cache, jnp.asarray(tokens), jnp.asarray(lengths), jax.random.key(seed), cfg=cfg,
-                     max_new_tokens=max_new_tokens, eos_ids=eos, temperature=float(temperature),
-                     attn_impl=attn_impl, mesh=mesh, top_k=top_k, top_p=top_p)
-  block_until_ready(state)
-  t1 = time.perf_counter()
-  state = ar_decode(params, state, cfg=cfg, eos_ids=eos, temperature=float(temperature), attn_impl=attn_impl,
-                    mesh=mesh, top_k=top_k, top_p=top_p)
-  out, num, steps = host_values((state.tokens, state.num_tokens, state.steps))
-  t2 = time.perf_counter()
-  return {"token_ids": [out[b, :num[b]].tolist() for b in range(len(prompts))],
-          "num_tokens": int(np.sum(num)), "target_forwards": int(steps) + 1,
-          "prefill_s": t1 - t0, "decode_s": t2 - t1}

@@ -1,5 +1,6 @@
-"""The JetSpec speculative generation loop: prefill, then one ``lax.while_loop`` whose body is
-draft -> build tree -> verify -> accept -> commit, with no host round-trip per round.
+"""The JetSpec speculative generation programs: the head's context prefill, then one ``lax.while_loop``
+whose body is draft -> build tree -> verify -> accept -> commit, with no host round-trip per round
+(``decode.generation.Generator`` runs them after ``decode.loop.prefill``).
 
 Invariants at the top of every round (per sequence b):
   target cache rows 0..prefix_len[b]-1 hold the committed tokens except ``last_token``;
@@ -19,20 +20,16 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import time
 from typing import Callable
 
 import flax.struct
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jetspec_jax.config import Qwen3Config
 from jetspec_jax.decode import sampling, verify
-from jetspec_jax.decode.loop import DecodeState, block_until_ready, commit_tokens, prefill, resolve_eos
-from jetspec_jax.decode.prompts import batch_prompts
+from jetspec_jax.decode.loop import DecodeState, commit_tokens
 from jetspec_jax.decode.tree import TREE_METHODS, build_tree, tree_size
-from jetspec_jax.distributed import host_values
 from jetspec_jax.errors import JetSpecError
 from jetspec_jax.models import draft_head, qwen3
 from jetspec_jax.models.draft_head import DraftConfig
@@ -167,60 +164,3 @@ def cache_lengths(prompt_len: int, max_new_tokens: int, head_cfg: DraftConfig, t
   """(target, draft) cache sizes: committed rows plus the round's scratch rows."""
   committed = prompt_len + max_new_tokens
   return committed + tree_cfg.num_nodes() + 1, committed + max(head_cfg.block_size, tree_cfg.depth + 1) + 1
-
-
-def generate_speculative(target_params, cfg: Qwen3Config, head_params, head_cfg: DraftConfig, prompts, *,
-                         max_new_tokens: int, tree_cfg: TreeConfig = TreeConfig(), eos_ids=None,
-                         attn_impl: str = "xla", mesh=None, drafter: Drafter = head_drafter,
-                         temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, accept: str = "rejection",
-                         seed: int = 0) -> dict:
-  """JetSpec generation for token-id prompts. Returns tokens, metrics and timing.
-
-  temperature 0 (default): greedy, identical to AR. temperature > 0: lossless sampling from the
-  target's processed distribution (temperature, top_k (0 = off), top_p (1 = off); see
-  ``decode.sampling``) with acceptance rule ``accept`` ("rejection" | "match"; ignored when
-  greedy) and per-sequence keys from ``seed``."""
-  sampling.validate_sampling(temperature, top_k, top_p, accept)
-  temperature = float(temperature)
-  top_k, top_p = (0, 1.0) if temperature == 0 else (int(top_k), float(top_p))
-  tree_cfg.validate(head_cfg)
-  head_cfg.validate(cfg)
-  tokens, lengths = batch_prompts(prompts, cfg.vocab_size)
-  eos = resolve_eos(cfg, eos_ids)
-  batch = len(prompts)
-  target_len, draft_len = cache_lengths(tokens.shape[1], max_new_tokens, head_cfg, tree_cfg)
-  dtype = target_params["embed"].dtype
-  cache = qwen3.init_cache(cfg, batch, target_len, dtype, mesh)
-  draft_cache = draft_head.init_context_cache(head_cfg, batch, draft_len, head_params["fc"].dtype, mesh)
-  t0 = time.perf_counter()
-  base, taps = prefill(target_params, cache, jnp.asarray(tokens), jnp.asarray(lengths), jax.random.key(seed),
-                       cfg=cfg, max_new_tokens=max_new_tokens, eos_ids=eos, temperature=temperature,
-                       attn_impl=attn_impl, tap_layers=head_cfg.target_layer_ids, mesh=mesh, top_k=top_k, top_p=top_p)
-  draft_cache = prefill_context(head_params, draft_cache, taps, head_cfg=head_cfg)
-  state = SpecState(base=base, draft_cache=draft_cache, rounds=jnp.zeros((batch,), jnp.int32),
-                    depth_hist=jnp.zeros((batch, tree_cfg.depth + 1), jnp.int32))
-  block_until_ready(state)
-  t1 = time.perf_counter()
-  state = spec_decode(target_params, head_params, state, cfg=cfg, head_cfg=head_cfg, tree_cfg=tree_cfg,
-                      eos_ids=eos, attn_impl=attn_impl, mesh=mesh, drafter=drafter, temperature=temperature,
-                      top_k=top_k, top_p=top_p, accept=accept if temperature > 0 else "rejection")
-  out, num, rounds, hist = host_values((state.base.tokens, state.base.num_tokens, state.rounds,
-                                            state.depth_hist))
-  t2 = time.perf_counter()
-  return {"token_ids": [out[b, :num[b]].tolist() for b in range(batch)],
-          "prefill_s": t1 - t0, "decode_s": t2 - t1, **speculative_metrics(num, rounds, hist, tree_cfg),
-          "sampling": {"temperature": temperature, "top_k": top_k, "top_p": top_p,
-                       "accept": accept if temperature > 0 else "greedy", "seed": seed}}
-
-
-def speculative_metrics(num_tokens, rounds, depth_hist, tree_cfg: TreeConfig) -> dict:
-  """tau (committed tokens per round, the prefill's first token excluded), per-depth acceptance."""
-  num_tokens, rounds, hist = np.asarray(num_tokens), np.asarray(rounds), np.asarray(depth_hist).sum(0)
-  total_rounds = int(rounds.sum())
-  decoded = int(num_tokens.sum()) - len(num_tokens)
-  at_least = hist[::-1].cumsum()[::-1]                      # rounds accepting >= d draft tokens
-  return {"num_tokens": int(num_tokens.sum()), "rounds": total_rounds,
-          "tau": decoded / total_rounds if total_rounds else 0.0,
-          "depth_histogram": hist.tolist(),
-          "acceptance_by_depth": [float(at_least[d] / max(total_rounds, 1)) for d in range(1, len(hist))],
-          "tree": dataclasses.asdict(tree_cfg) | {"num_nodes": tree_cfg.num_nodes()}}

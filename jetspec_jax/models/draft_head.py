@@ -16,7 +16,6 @@ distribution for depth d.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any
 
 import jax
@@ -206,31 +205,11 @@ class DraftHead(nnx.Module):
     return target.logits(h[:, 1:depth + 1]), cache
 
 
-@functools.lru_cache(maxsize=32)
-def _definition(cfg: DraftConfig) -> tuple[nnx.GraphDef, frozenset[str]]:
-  """The head structure of ``cfg`` (no weights) and its weights' names."""
-  model = abstract_model(cfg)
-  return nnx.split(model)[0], frozenset(P.declared_specs(model))
-
-
-def abstract_model(cfg: DraftConfig) -> DraftHead:
-  """The head with shape-only weights (nothing is allocated)."""
-  return nnx.eval_shape(lambda: DraftHead(cfg, rngs=nnx.Rngs(0)))
-
-
-def param_specs(cfg: DraftConfig) -> dict[str, P.ParamSpec]:
-  """Every weight of the head as declared by ``DraftHead``: {name: ParamSpec}."""
-  return P.declared_specs(abstract_model(cfg))
-
-
-def init_head(cfg: DraftConfig, key: jax.Array, dtype=jnp.float32, mesh=None) -> dict[str, jax.Array]:
-  """Random head weights, each created in its sharding."""
-  return P.create_sharded(lambda rngs: DraftHead(cfg, dtype=dtype, rngs=rngs), key, mesh)
-
-
-def bind(cfg: DraftConfig, params: dict[str, jax.Array]) -> DraftHead:
-  """The head model holding ``params`` (flat names, see ``models.params``)."""
-  return P.bind(*_definition(cfg), params)
+HEAD = P.Declared(DraftHead)
+abstract_model = HEAD.abstract
+param_specs = HEAD.specs          # {name: ParamSpec} of every weight of ``DraftHead(cfg)``
+init_head = HEAD.init             # (cfg, key, dtype, mesh): random weights, each created in its sharding
+bind = HEAD.bind                  # (cfg, params): the DraftHead holding ``params``
 
 
 def init_context_cache(cfg: DraftConfig, batch: int, max_len: int, dtype, mesh=None) -> qwen3.KVCache:

@@ -5,9 +5,10 @@ A model (``qwen3.Qwen3``, ``draft_head.DraftHead``) declares each weight once, i
 derives from that declaration through this module:
   * ``declared_specs``: {name: ParamSpec(shape, axes)} of an abstract model (``nnx.eval_shape``:
     nothing allocated), which sharding, conversion and checkpoint restore read;
-  * ``create_sharded``: a fresh model's weights made in ONE jit whose outputs land directly in
+  * ``sharded_initializer``: a fresh model's weights made in ONE jit whose outputs land directly in
     their shardings (no unsharded copy on one device);
-  * ``flat_params`` / ``bind``: the model's ``nnx.Param`` state as a flat dict {name: array} and back.
+  * ``flat_params`` / ``bind``: the model's ``nnx.Param`` state as a flat dict {name: array} and back;
+  * ``Declared``: those four for one model class, per config (``qwen3.TARGET``, ``draft_head.HEAD``).
 
 A weight's name is its module path joined by dots (``layers.3.attn.q_proj``): the flat dict is
 ``nnx.split``'s state with the paths spelled out, which is what the jitted loops carry, optax
@@ -16,6 +17,7 @@ updates, orbax stores and the Hugging Face table maps.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable
 
 import jax
@@ -78,6 +80,29 @@ def sharded_initializer(make: Callable[[nnx.Rngs], nnx.Module], mesh=None):
   return jax.jit(lambda k: flat_params(make(nnx.Rngs(k))), out_shardings=shardings)
 
 
-def create_sharded(make: Callable[[nnx.Rngs], nnx.Module], key: jax.Array, mesh=None) -> dict[str, jax.Array]:
-  """The weights of ``make(nnx.Rngs(key))``, created in one jit straight into their shardings."""
-  return sharded_initializer(make, mesh)(key)
+class Declared:
+  """What a model class ``model_cls(cfg, *, dtype, rngs)`` derives from its declaration, per config."""
+
+  def __init__(self, model_cls):
+    self.model_cls = model_cls
+    self._definition = functools.lru_cache(maxsize=32)(self._define)
+
+  def abstract(self, cfg) -> nnx.Module:
+    """The model with shape-only weights (``nnx.eval_shape``: nothing is allocated)."""
+    return nnx.eval_shape(lambda: self.model_cls(cfg, rngs=nnx.Rngs(0)))
+
+  def _define(self, cfg) -> tuple[nnx.GraphDef, frozenset[str]]:
+    model = self.abstract(cfg)
+    return nnx.split(model)[0], frozenset(declared_specs(model))
+
+  def specs(self, cfg) -> dict[str, ParamSpec]:
+    """Every weight as declared by the model: {name: ParamSpec}."""
+    return declared_specs(self.abstract(cfg))
+
+  def init(self, cfg, key: jax.Array, dtype=jnp.float32, mesh=None) -> dict[str, jax.Array]:
+    """Random weights, each created in its sharding (one jit)."""
+    return sharded_initializer(lambda rngs: self.model_cls(cfg, dtype=dtype, rngs=rngs), mesh)(key)
+
+  def bind(self, cfg, params: dict[str, jax.Array]) -> nnx.Module:
+    """The model of ``cfg`` holding ``params`` (inside jit: the cached graph definition merged with them)."""
+    return bind(*self._definition(cfg), params)

@@ -14,8 +14,6 @@ nodes sit at prefix_len + depth. Without a cache (training) the rows attend to e
 """
 from __future__ import annotations
 
-import functools
-
 import flax.struct
 import jax
 import jax.numpy as jnp
@@ -111,31 +109,11 @@ class Qwen3(nnx.Module):
       return jnp.einsum("...h,hv->...v", h, w, preferred_element_type=jnp.float32)
 
 
-@functools.lru_cache(maxsize=32)
-def _definition(cfg: Qwen3Config) -> tuple[nnx.GraphDef, frozenset[str]]:
-  """The model structure of ``cfg`` (no weights) and its weights' names."""
-  model = abstract_model(cfg)
-  return nnx.split(model)[0], frozenset(P.declared_specs(model))
-
-
-def abstract_model(cfg: Qwen3Config) -> Qwen3:
-  """The model with shape-only weights (``nnx.eval_shape``: nothing is allocated)."""
-  return nnx.eval_shape(lambda: Qwen3(cfg, rngs=nnx.Rngs(0)))
-
-
-def param_specs(cfg: Qwen3Config) -> dict[str, P.ParamSpec]:
-  """Every weight of the target as declared by ``Qwen3``: {name: ParamSpec}."""
-  return P.declared_specs(abstract_model(cfg))
-
-
-def init_target(cfg: Qwen3Config, key: jax.Array, dtype=jnp.float32, mesh=None) -> dict[str, jax.Array]:
-  """Random target weights (tests, benchmarks, pretraining), each created in its sharding."""
-  return P.create_sharded(lambda rngs: Qwen3(cfg, dtype=dtype, rngs=rngs), key, mesh)
-
-
-def bind(cfg: Qwen3Config, params: dict[str, jax.Array]) -> Qwen3:
-  """The target model holding ``params`` (flat names, see ``models.params``)."""
-  return P.bind(*_definition(cfg), params)
+TARGET = P.Declared(Qwen3)
+abstract_model = TARGET.abstract
+param_specs = TARGET.specs        # {name: ParamSpec} of every weight of ``Qwen3(cfg)``
+init_target = TARGET.init         # (cfg, key, dtype, mesh): random weights, each created in its sharding
+bind = TARGET.bind                # (cfg, params): the Qwen3 holding ``params``
 
 
 def causal_mask(batch: int, length: int) -> jax.Array:

@@ -27,14 +27,11 @@ import time
 from typing import Sequence
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 from tqdm.auto import tqdm
 
-from jetspec_jax.decode import loop
-from jetspec_jax.distributed import from_first_process, host_values
+from jetspec_jax.decode.generation import Generator, SamplingConfig
+from jetspec_jax.distributed import from_first_process
 from jetspec_jax.errors import JetSpecError
-from jetspec_jax.models import qwen3
 from jetspec_jax.tokenizer import IM_END, PAD, load_tokenizer
 from jetspec_jax.train.data import ChatEncoder, Conversation, iter_conversations
 
@@ -62,33 +59,25 @@ def prompt_bucket(length: int) -> int:
 def generate_batches(params, cfg, prompts: Sequence[Sequence[int]], *, batch_size: int, max_new_tokens: int,
                      eos_ids: tuple[int, ...], temperature: float, key: jax.Array, mesh=None,
                      on_batch=lambda tokens: None) -> list[list[int]]:
-  """Generated ids (EOS included when hit) for each prompt, as ``loop.generate_ar`` would give.
+  """Generated ids (EOS included when hit) for each prompt, as one AR ``Generator`` call per prompt would give.
 
-  Prompts are sorted by length and run ``batch_size`` at a time through ``loop.prefill`` and
-  ``loop.ar_decode``; each batch is right-padded to ``prompt_bucket`` width and filled to
-  ``batch_size`` rows with copies of its last prompt, so only a few shapes compile. Extra padding
-  does not change a row (the loop already serves ragged batches). Batch b samples with
-  ``fold_in(key, b)``. ``on_batch(generated_tokens)`` is called after each batch.
+  Prompts are sorted by length and run ``batch_size`` at a time; each batch is right-padded to
+  ``prompt_bucket`` width and filled to ``batch_size`` rows with copies of its last prompt, so only a
+  few shapes compile. Extra padding does not change a row (the loop already serves ragged batches).
+  Batch b samples with ``fold_in(key, b)``. ``on_batch(generated_tokens)`` is called after each batch.
   """
+  generator = Generator(cfg, params, sampling_cfg=SamplingConfig(temperature=temperature), eos_ids=eos_ids, mesh=mesh)
   order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
   out: list[list[int]] = [[] for _ in prompts]
-  dtype = params["embed"].dtype
   for b in range(0, len(order), batch_size):
     real = order[b:b + batch_size]
     rows = real + [real[-1]] * (batch_size - len(real))
-    lengths = np.array([len(prompts[i]) for i in rows], np.int32)
-    tokens = np.zeros((batch_size, prompt_bucket(int(lengths.max()))), np.int32)
-    for r, i in enumerate(rows):
-      tokens[r, :lengths[r]] = prompts[i]
-    cache = qwen3.init_cache(cfg, batch_size, tokens.shape[1] + max_new_tokens, dtype, mesh)
-    state, _ = loop.prefill(params, cache, jnp.asarray(tokens), jnp.asarray(lengths),
-                            jax.random.fold_in(key, b // batch_size), cfg=cfg, max_new_tokens=max_new_tokens,
-                            eos_ids=eos_ids, temperature=temperature, mesh=mesh)
-    state = loop.ar_decode(params, state, cfg=cfg, eos_ids=eos_ids, temperature=temperature, mesh=mesh)
-    generated, num = host_values((state.tokens, state.num_tokens))
+    width = prompt_bucket(max(len(prompts[i]) for i in rows))
+    res = generator.generate([prompts[i] for i in rows], max_new_tokens, width=width,
+                             key=jax.random.fold_in(key, b // batch_size))
     for r, i in enumerate(real):
-      out[i] = generated[r, :num[r]].tolist()
-    on_batch(int(num[:len(real)].sum()))
+      out[i] = res.tokens[r]
+    on_batch(int(res.num_tokens[:len(real)].sum()))
   return out
 
 

@@ -268,13 +268,16 @@ def eval_prompts(rows, count: int) -> list[list[int]]:
 def evaluate_tau(target_params, target_cfg, head_params, head_cfg, prompts, ec, compute_dtype, mesh=None) -> dict:
   """tau and tokens/s of the current head on held-out prompts (greedy speculative decoding over the
   training mesh; in a multi-process run every process runs it on the same prompts)."""
-  from jetspec_jax.decode.speculative import TreeConfig, generate_speculative
+  from jetspec_jax.bench import acceptance
+  from jetspec_jax.decode.generation import Generator
+  from jetspec_jax.decode.speculative import TreeConfig
   params = jax.tree_util.tree_map(lambda x: x.astype(compute_dtype), head_params)
   tree = TreeConfig(ec.tree, ec.budget, ec.width, head_cfg.depth)
-  out = generate_speculative(target_params, target_cfg, params, head_cfg, prompts, max_new_tokens=ec.max_new_tokens,
-                             tree_cfg=tree, mesh=mesh)
-  return {"eval_tau": out["tau"], "eval_tokens_per_s": out["num_tokens"] / max(out["decode_s"], 1e-9),
-          "eval_acceptance_d1": out["acceptance_by_depth"][0] if out["acceptance_by_depth"] else 0.0}
+  out = Generator(target_cfg, target_params, head_cfg=head_cfg, head_params=params, tree=tree,
+                  mesh=mesh).generate(prompts, ec.max_new_tokens)
+  acc = acceptance([out])
+  return {"eval_tau": acc["tau"], "eval_tokens_per_s": int(out.num_tokens.sum()) / max(out.decode_s, 1e-9),
+          "eval_acceptance_d1": acc["acceptance_by_depth"][0] if acc["acceptance_by_depth"] else 0.0}
 
 
 def run(c: ml_collections.ConfigDict, *, progress: bool = True, stop_after: int | None = None) -> dict:

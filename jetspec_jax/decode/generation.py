@@ -1,0 +1,154 @@
+"""The one generation API: a ``Generator`` (a target, optionally a draft head and its tree, and a
+``SamplingConfig``) whose ``prefill`` / ``decode`` run the jitted programs of ``decode.loop`` (AR) or
+``decode.speculative``, and whose ``generate`` returns a typed ``GenerationResult``.
+
+The weights stay split (flat ``nnx.Param`` state, see ``models.params``) for the whole generation: each
+jitted program binds them into the model inside its trace, and the loop state is donated. Timing and
+tau are summarised in the benchmark layer (``jetspec_jax.bench.acceptance``), not here.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jetspec_jax.config import Qwen3Config
+from jetspec_jax.decode import loop, sampling, speculative
+from jetspec_jax.decode.prompts import batch_prompts
+from jetspec_jax.decode.speculative import TreeConfig
+from jetspec_jax.distributed import host_values
+from jetspec_jax.models import draft_head, qwen3
+from jetspec_jax.models.draft_head import DraftConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingConfig:
+  """How tokens are chosen. temperature 0: greedy (top_k, top_p and accept do not apply). Otherwise
+  the target's distribution after temperature, top_k (0 = off) and top_p (1 = off), see
+  ``decode.sampling``; speculative rounds accept by ``accept`` ("rejection" | "match"). Sequence b
+  draws from keys derived from ``seed`` and b, so results are reproducible."""
+  temperature: float = 0.0
+  top_k: int = 0
+  top_p: float = 1.0
+  accept: str = "rejection"
+  seed: int = 0
+
+  @property
+  def greedy(self) -> bool:
+    return self.temperature == 0.0
+
+  def resolved(self) -> "SamplingConfig":
+    """Validated, with the fields greedy decoding ignores set to their neutral values."""
+    sampling.validate_sampling(self.temperature, self.top_k, self.top_p, self.accept)
+    if self.greedy:
+      return SamplingConfig(0.0, 0, 1.0, "rejection", int(self.seed))
+    return SamplingConfig(float(self.temperature), int(self.top_k), float(self.top_p), self.accept, int(self.seed))
+
+  def describe(self) -> dict:
+    return {"temperature": self.temperature, "top_k": self.top_k, "top_p": self.top_p,
+            "accept": "greedy" if self.greedy else self.accept, "seed": self.seed}
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationResult:
+  """What one ``Generator.generate`` call produced, per sequence b of the batch.
+
+  tokens[b]: the generated ids (prompt excluded; EOS included when hit); num_tokens [B];
+  rounds [B]: decode steps sequence b took part in (speculative rounds; AR: one per token after the
+  prefill's); depth_histogram [B, D+1]: rounds that accepted exactly d draft tokens (speculative only);
+  target_forwards: target forwards of the batch, prefill included; prefill_s / decode_s: wall time of
+  the two phases (the first call of a shape includes compilation)."""
+  tokens: list[list[int]]
+  num_tokens: np.ndarray
+  rounds: np.ndarray
+  depth_histogram: np.ndarray | None
+  target_forwards: int
+  prefill_s: float
+  decode_s: float
+
+
+class Generator:
+  """Generation with one target, and speculative when it has a draft head (``head_cfg``, ``head_params``,
+  ``tree``). ``eos_ids`` None: the target config's; ``cache_dtype`` None: the target weights' dtype."""
+
+  def __init__(self, target_cfg: Qwen3Config, target_params: dict, *, head_cfg: DraftConfig | None = None,
+               head_params: dict | None = None, tree: TreeConfig | None = None,
+               sampling_cfg: SamplingConfig = SamplingConfig(), eos_ids: Sequence[int] | None = None,
+               attn_impl: str = "xla", mesh=None, cache_dtype=None,
+               drafter: speculative.Drafter = speculative.head_drafter):
+    self.cfg, self.params = target_cfg, target_params
+    self.head_cfg, self.head_params = head_cfg, head_params
+    self.sampling = sampling_cfg.resolved()
+    self.eos = loop.resolve_eos(target_cfg, eos_ids)
+    self.attn_impl, self.mesh, self.drafter = attn_impl, mesh, drafter
+    self.cache_dtype = cache_dtype or target_params["embed"].dtype
+    self.tree = None
+    if head_cfg is not None:
+      self.tree = tree or TreeConfig()
+      self.tree.validate(head_cfg)
+      head_cfg.validate(target_cfg)
+
+  @property
+  def speculative(self) -> bool:
+    return self.head_cfg is not None
+
+  def _sampling_args(self) -> dict:
+    s = self.sampling
+    return dict(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p)
+
+  def prefill(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, width: int | None = None,
+              key: jax.Array | None = None):
+    """Run the prompts (token-id lists, right-padded to the longest or to ``width``) through the target
+    (and the head's context); returns the loop state. ``key``: the PRNG key sequence b derives its keys
+    from (fold_in(key, b)); default ``jax.random.key(sampling.seed)``."""
+    tokens, lengths = batch_prompts(prompts, self.cfg.vocab_size, width=width)
+    batch = len(prompts)
+    if self.speculative:
+      target_len, draft_len = speculative.cache_lengths(tokens.shape[1], max_new_tokens, self.head_cfg, self.tree)
+    else:
+      target_len = tokens.shape[1] + max_new_tokens
+    cache = qwen3.init_cache(self.cfg, batch, target_len, self.cache_dtype, self.mesh)
+    taps_at = self.head_cfg.target_layer_ids if self.speculative else ()
+    key = jax.random.key(self.sampling.seed) if key is None else key
+    base, taps = loop.prefill(self.params, cache, jnp.asarray(tokens), jnp.asarray(lengths), key, cfg=self.cfg,
+                              max_new_tokens=max_new_tokens, eos_ids=self.eos, attn_impl=self.attn_impl,
+                              tap_layers=taps_at, mesh=self.mesh, **self._sampling_args())
+    if not self.speculative:
+      return base
+    draft_cache = draft_head.init_context_cache(self.head_cfg, batch, draft_len, self.head_params["fc"].dtype,
+                                                self.mesh)
+    draft_cache = speculative.prefill_context(self.head_params, draft_cache, taps, head_cfg=self.head_cfg)
+    return speculative.SpecState(base=base, draft_cache=draft_cache, rounds=jnp.zeros((batch,), jnp.int32),
+                                 depth_hist=jnp.zeros((batch, self.tree.depth + 1), jnp.int32))
+
+  def decode(self, state):
+    """Run the jitted loop on ``state`` (donated) until every sequence is done."""
+    if not self.speculative:
+      return loop.ar_decode(self.params, state, cfg=self.cfg, eos_ids=self.eos, attn_impl=self.attn_impl,
+                            mesh=self.mesh, **self._sampling_args())
+    return speculative.spec_decode(self.params, self.head_params, state, cfg=self.cfg, head_cfg=self.head_cfg,
+                                   tree_cfg=self.tree, eos_ids=self.eos, attn_impl=self.attn_impl, mesh=self.mesh,
+                                   drafter=self.drafter, accept=self.sampling.accept, **self._sampling_args())
+
+  def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, width: int | None = None,
+               key: jax.Array | None = None) -> GenerationResult:
+    """prefill + decode + one fetch of the results, timed per phase (``width``, ``key``: see ``prefill``)."""
+    t0 = time.perf_counter()
+    state = self.prefill(prompts, max_new_tokens, width=width, key=key)
+    jax.block_until_ready(state)
+    t1 = time.perf_counter()
+    state = self.decode(state)
+    base = state.base if self.speculative else state
+    fetched = host_values((base.tokens, base.num_tokens, base.steps)
+                          + ((state.rounds, state.depth_hist) if self.speculative else ()))
+    t2 = time.perf_counter()
+    out, num, steps = fetched[:3]
+    num = np.asarray(num)
+    rounds, hist = (np.asarray(fetched[3]), np.asarray(fetched[4])) if self.speculative else (num - 1, None)
+    return GenerationResult(tokens=[out[b, :num[b]].tolist() for b in range(len(prompts))], num_tokens=num,
+                            rounds=rounds, depth_histogram=hist, target_forwards=int(steps) + 1,
+                            prefill_s=t1 - t0, decode_s=t2 - t1)
