@@ -86,6 +86,8 @@ class Declared:
   def __init__(self, model_cls):
     self.model_cls = model_cls
     self._definition = functools.lru_cache(maxsize=32)(self._define)
+    self._initializer = functools.lru_cache(maxsize=32)(
+        lambda cfg, dtype, mesh: sharded_initializer(lambda rngs: model_cls(cfg, dtype=dtype, rngs=rngs), mesh))
 
   def abstract(self, cfg) -> nnx.Module:
     """The model with shape-only weights (``nnx.eval_shape``: nothing is allocated)."""
@@ -100,8 +102,8 @@ class Declared:
     return declared_specs(self.abstract(cfg))
 
   def init(self, cfg, key: jax.Array, dtype=jnp.float32, mesh=None) -> dict[str, jax.Array]:
-    """Random weights, each created in its sharding (one jit)."""
-    return sharded_initializer(lambda rngs: self.model_cls(cfg, dtype=dtype, rngs=rngs), mesh)(key)
+    """Random weights, each created in its sharding (one jit, compiled once per config, dtype and mesh)."""
+    return self._initializer(cfg, dtype, mesh)(key)
 
   def bind(self, cfg, params: dict[str, jax.Array]) -> nnx.Module:
     """The model of ``cfg`` holding ``params`` (inside jit: the cached graph definition merged with them)."""
