@@ -47,7 +47,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench import kernel_tune, trace_summary
-from jetspec_jax.attention import xla_attention
+from jetspec_jax.attention import AttentionImpl
+from pallas_kernels.reference import xla_attention
 from pallas_kernels import tuning as kernel_tuning
 from pallas_kernels.tree_attention import launch_shapes, resolve_config, tree_attention
 
@@ -428,13 +429,12 @@ def tune_section(*, smoke: bool, iters: int, reps: int, unroll: int, device_kind
   return result
 
 
-def apply_tuning(table: dict) -> str:
-  """Makes a tuning table (JSON form) the active one for the kernel calls traced from now on: saved as
-  $OUT/kernel_tuning.json (or in a temporary directory) and named by $JETSPEC_KERNEL_TUNING. Returns the path."""
+def save_tuning(table: dict) -> str:
+  """Saves a tuning table (JSON form) as $OUT/kernel_tuning.json (or in a temporary directory), the file
+  ``--kernel-tuning`` takes. Returns the path."""
   out_dir = os.environ.get("OUT") or tempfile.mkdtemp(prefix="jetspec_tuning_")
   path = Path(out_dir) / "kernel_tuning.json"
   kernel_tuning.KernelTuning.from_json(table).save(path)
-  os.environ[kernel_tuning.ENV_VAR] = str(path)
   return str(path)
 
 
@@ -490,7 +490,7 @@ def main(argv: list[str] | None = None) -> int:
   flops_peak = device_peak(DENSE_BF16_FLOPS, device.device_kind, args.peak_tflops, 1e12)
   overrides = {k: v for k, v in dict(block_r=args.block_r, block_k=args.block_k, num_warps=args.num_warps,
                                       num_stages=args.num_stages, num_splits=args.num_splits).items() if v is not None}
-  table = kernel_tuning.active_tuning(device.device_kind).to_json()
+  table = kernel_tuning.DEFAULT_TUNING.to_json()
   rows = kernel_section(smoke=args.smoke, iters=args.iters, reps=args.reps, unroll=args.unroll, hbm=hbm,
                         flops_peak=flops_peak, overrides=overrides)
   shape = SMOKE if args.smoke else QWEN3_8B
@@ -510,14 +510,16 @@ def main(argv: list[str] | None = None) -> int:
                 unroll=args.unroll, kernel=dict(shape=dataclasses.asdict(shape), tuning=table, overrides=overrides,
                                                         rows=rows))
   write_report(report)                      # the kernel rows survive a failure or time-out below
+  tuned = None
   if not args.skip_tune:
     report["tune"] = tune_section(smoke=args.smoke, iters=args.iters, reps=args.reps, unroll=args.unroll,
                                   device_kind=device.device_kind, minutes=args.tune_minutes)
     if report["tune"]["table"] and not args.keep_tuning:
-      report["tune"]["applied"] = apply_tuning(report["tune"]["table"])
+      report["tune"]["applied"] = save_tuning(report["tune"]["table"])
+      tuned = kernel_tuning.KernelTuning.from_json(report["tune"]["table"])
       print(f"the model sections below use this table ({report['tune']['applied']})")
     write_report(report)
-  impl = "pallas_interpret" if args.smoke else ("pallas" if device.platform == "gpu" else "xla")
+  impl = AttentionImpl("pallas_interpret" if args.smoke else ("pallas" if device.platform == "gpu" else "xla"), tuned)
   model_sections = [name for name, skip in (("phases", args.skip_phases), ("decode", args.skip_decode),
                                              ("profile", args.skip_profile)) if not skip]
   if DEADLINE.passed():                     # not even the model is built
@@ -531,27 +533,28 @@ def main(argv: list[str] | None = None) -> int:
     phrows = phase_section(model, budgets=budgets, attn_impl=impl, iters=args.iters, reps=args.reps,
                            unroll=args.unroll)
     print(f"\nround phases timed alone, {model_label}, batch 1, prefix "
-          f"{len(model.prompt[0])}, attention {impl}:")
+          f"{len(model.prompt[0])}, attention {impl.name}:")
     print(format_table(phrows))
-    report["phases"] = dict(layers=args.decode_layers, attention=impl, rows=phrows)
+    report["phases"] = dict(layers=args.decode_layers, attention=impl.name, rows=phrows,
+                            kernel_tuning=impl.tuning and impl.tuning.to_json())
     failed += [r for r in phrows if "error" in r]
     write_report(report)
   if "decode" in model_sections:
     drows = decode_section(model, max_new=args.decode_new_tokens, attn_impl=impl, budgets=budgets,
                            methods=tuple(args.decode_trees.split(",")))
-    print(f"\njitted decode round, {model_label}, batch 1, attention {impl}:")
+    print(f"\njitted decode round, {model_label}, batch 1, attention {impl.name}:")
     print(format_table(drows))
-    report["decode"] = dict(layers=args.decode_layers, attention=impl, rows=drows)
+    report["decode"] = dict(layers=args.decode_layers, attention=impl.name, rows=drows)
     failed += [r for r in drows if "error" in r]
     write_report(report)
   if "profile" in model_sections:
-    print(f"\nprofiled decode rounds ({args.profile_new_tokens} new tokens), per round, attention {impl}:")
+    print(f"\nprofiled decode rounds ({args.profile_new_tokens} new tokens), per round, attention {impl.name}:")
     prows = profile_section(model, max_new=args.profile_new_tokens, attn_impl=impl,
                             budgets=tuple(int(b) for b in args.profile_budgets.split(",")))
     if "decode" in report and args.profile_new_tokens == args.decode_new_tokens:
       lines = relate_to_unprofiled(prows, report["decode"]["rows"])
       print("\nthe same rounds without the profiler (decode section):\n" + "\n".join(lines))
-    report["profile"] = dict(layers=args.decode_layers, attention=impl, new_tokens=args.profile_new_tokens,
+    report["profile"] = dict(layers=args.decode_layers, attention=impl.name, new_tokens=args.profile_new_tokens,
                              phases=PHASES, rows=prows)
     failed += [r for r in prows if "error" in r]
     write_report(report)

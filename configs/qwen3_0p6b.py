@@ -1,5 +1,5 @@
 """Qwen3-0.6B target (28 layers, hidden 1024): a 1-layer head, block 16; one 8-GPU host."""
-from configs.base import base_config
+from jetspec_jax.configs.base import base_config
 
 
 def get_config():

@@ -1,6 +1,6 @@
 """Qwen3-30B-A3B MoE target (48 layers, hidden 2048): the published 8-layer head (MLP 6144, 32/4
 heads), block 16, taps [1, 12, 23, 34, 45]; 8 GPUs per host with the model axis over 4."""
-from configs.base import base_config, scale_schedule
+from jetspec_jax.configs.base import base_config, scale_schedule
 
 
 def get_config():

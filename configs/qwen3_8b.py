@@ -1,6 +1,6 @@
 """Qwen3-8B target (36 layers): the published 5-layer head, block 16, taps [1, 9, 17, 25, 33].
 Sequence 3072, 512 anchors; sharded over 8 x H100/H200 (data 4 x model 2) per host."""
-from configs.base import base_config, scale_schedule
+from jetspec_jax.configs.base import base_config, scale_schedule
 
 
 def get_config():

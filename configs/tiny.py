@@ -1,5 +1,5 @@
 """CPU-sized training run (minutes): a small target and a 1-layer head, short sequences."""
-from configs.base import base_config
+from jetspec_jax.configs.base import base_config
 
 
 def get_config():

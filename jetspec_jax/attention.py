@@ -12,30 +12,49 @@ Layout (shared by every implementation):
 Implementations: ``xla`` (reference, any backend), ``xla_chunked`` (the same numerics one block
 of ``QUERY_CHUNK`` queries at a time: its float32 scores are [B, Hkv, G, QUERY_CHUNK, S], never
 [B, Hkv, G, T, S]; for long prompts and training's frozen target) and ``pallas`` (the GPU kernel of
-``pallas_kernels.tree_attention``; ``pallas_interpret`` runs it on CPU).
+``pallas_kernels.tree_attention``; ``pallas_interpret`` runs it on CPU). The choice travels as a
+static value: a name, or an ``AttentionImpl`` that also carries the kernel's launch tuning table.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jetspec_jax.errors import JetSpecError
+from pallas_kernels.errors import KernelError
+from pallas_kernels.reference import masked_attention, visible_keys, xla_attention
+from pallas_kernels.tuning import KernelTuning, load_tuning
 
 IMPLEMENTATIONS = ("xla", "xla_chunked", "pallas", "pallas_interpret")
 QUERY_CHUNK = 256   # queries per block of ``xla_chunked``
 
 
-def resolve_implementation(name: str | None) -> str:
-  """'auto' / None -> ``pallas`` on GPU, ``xla`` elsewhere; other names are checked."""
+@dataclasses.dataclass(frozen=True)
+class AttentionImpl:
+  """A static attention choice: ``name`` (one of ``IMPLEMENTATIONS``) and the kernel's launch ``tuning``
+  (None: the kernel's default table; ignored by the XLA implementations). Hashable (a jit static)."""
+  name: str = "xla"
+  tuning: KernelTuning | None = None
+
+
+def resolve_implementation(name: str | None, kernel_tuning: str | os.PathLike | None = None) -> AttentionImpl:
+  """'auto' / None -> ``pallas`` on GPU, ``xla`` elsewhere; other names are checked. ``kernel_tuning``:
+  a tuning table file (JSON, see ``pallas_kernels.tuning``) for the kernel, read and checked here."""
   if name in (None, "auto"):
-    return "pallas" if jax.default_backend() == "gpu" else "xla"
+    name = "pallas" if jax.default_backend() == "gpu" else "xla"
   if name not in IMPLEMENTATIONS:
     raise JetSpecError(f"unknown attention implementation {name!r}; choose auto or one of {', '.join(IMPLEMENTATIONS)}")
   check_available(name)
-  return name
+  try:
+    tuning = None if kernel_tuning is None else load_tuning(kernel_tuning)
+  except KernelError as e:
+    raise JetSpecError(str(e)) from None
+  return AttentionImpl(name, tuning)
 
 
 def check_available(impl: str) -> None:
@@ -46,48 +65,6 @@ def check_available(impl: str) -> None:
   if impl == "pallas" and backend != "gpu":
     raise JetSpecError(f"the pallas attention kernel needs a GPU but jax's backend is {backend}; use "
                        f"pallas_interpret (the same kernel in interpret mode on {backend}, slow) or xla")
-
-
-def visible_keys(prefix_len: jax.Array, block_mask: jax.Array, cache_len: int) -> jax.Array:
-  """Dense visibility [B, T, S] of cache positions for each query (XLA path and tests)."""
-  pos = jnp.arange(cache_len)[None, None, :]                       # [1, 1, S]
-  start = prefix_len[:, None, None]                                # [B, 1, 1]
-  in_prefix = pos < start
-  t_idx = pos - start                                               # index into the new block
-  num_new = block_mask.shape[-1]
-  in_block = (t_idx >= 0) & (t_idx < num_new)
-  gathered = jnp.take_along_axis(
-      block_mask, jnp.clip(t_idx, 0, num_new - 1).astype(jnp.int32).repeat(block_mask.shape[1], 1), axis=2)
-  return in_prefix | (in_block & gathered)
-
-
-def _cpu_upcast(*xs):
-  """XLA:CPU has no BF16 x BF16 -> F32 dot with two batch dimensions (B and KV heads, both > 1):
-  there the operands go to float32 first, which gives exactly the same products."""
-  if jax.default_backend() != "cpu" or all(x.dtype == jnp.float32 for x in xs):
-    return xs
-  return tuple(x.astype(jnp.float32) for x in xs)
-
-
-def xla_attention(q, k_cache, v_cache, prefix_len, block_mask, *, sm_scale: float | None = None):
-  """Reference masked attention (see module docstring for shapes)."""
-  return _masked_attention(q, k_cache, v_cache, visible_keys(prefix_len, block_mask, k_cache.shape[2]), sm_scale)
-
-
-def _masked_attention(q, k_cache, v_cache, mask, sm_scale):
-  """q [B, T, Hq, Dh] over the cache where mask [B, T, S] allows; a row seeing no key gives zeros."""
-  batch, num_q, num_heads, head_dim = q.shape
-  num_kv = k_cache.shape[1]
-  group = num_heads // num_kv
-  scale = head_dim ** -0.5 if sm_scale is None else sm_scale
-  qg = q.reshape(batch, num_q, num_kv, group, head_dim)
-  scores = jnp.einsum("btkgd,bksd->bkgts", *_cpu_upcast(qg, k_cache), preferred_element_type=jnp.float32) * scale
-  scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
-  probs = jax.nn.softmax(scores, axis=-1)
-  probs = jnp.where(mask[:, None, None], probs, 0.0)
-  out = jnp.einsum("bkgts,bksd->btkgd", *_cpu_upcast(probs.astype(v_cache.dtype), v_cache),
-                   preferred_element_type=jnp.float32)
-  return out.reshape(batch, num_q, num_heads, head_dim).astype(q.dtype)
 
 
 def chunked_attention(q, k_cache, v_cache, prefix_len, block_mask, *, sm_scale: float | None = None,
@@ -106,7 +83,7 @@ def chunked_attention(q, k_cache, v_cache, prefix_len, block_mask, *, sm_scale: 
   def one(start):
     qc = jax.lax.dynamic_slice_in_dim(q, start, chunk, axis=1)
     rows = jax.lax.dynamic_slice_in_dim(block_mask, start, chunk, axis=1)     # [B, C, T]
-    return _masked_attention(qc, k_cache, v_cache, visible_keys(prefix_len, rows, k_cache.shape[2]), sm_scale)
+    return masked_attention(qc, k_cache, v_cache, visible_keys(prefix_len, rows, k_cache.shape[2]), sm_scale)
 
   out = jax.lax.map(one, jnp.arange(num_chunks, dtype=jnp.int32) * chunk)   # [n, B, C, Hq, Dh]
   out = jnp.moveaxis(out, 0, 1).reshape(q.shape)
@@ -121,10 +98,12 @@ def _kernel_specs(mesh, batch: int, num_heads: int, num_kv: int):
           P(data, None, None)), P(data, None, model, None)
 
 
-def attention(q, k_cache, v_cache, prefix_len, block_mask, *, impl: str = "xla",
+def attention(q, k_cache, v_cache, prefix_len, block_mask, *, impl: str | AttentionImpl = "xla",
               sm_scale: float | None = None, mesh=None):
-  """Dispatch to an implementation by name (a static choice). Under a ``mesh`` the kernel runs
-  per shard (shard_map over batch and heads); XLA's attention is partitioned by the compiler."""
+  """Dispatch to an implementation (a static choice: a name or an ``AttentionImpl``). Under a ``mesh``
+  the kernel runs per shard (shard_map over batch and heads); XLA's attention is partitioned by the
+  compiler. The kernel's input errors come out as ``JetSpecError``."""
+  impl, tuning = (impl.name, impl.tuning) if isinstance(impl, AttentionImpl) else (impl, None)
   if impl == "xla":
     return xla_attention(q, k_cache, v_cache, prefix_len, block_mask, sm_scale=sm_scale)
   if impl == "xla_chunked":
@@ -132,8 +111,12 @@ def attention(q, k_cache, v_cache, prefix_len, block_mask, *, impl: str = "xla",
   if impl not in ("pallas", "pallas_interpret"):
     raise JetSpecError(f"unknown attention implementation {impl!r}; choose one of {', '.join(IMPLEMENTATIONS)}")
   from pallas_kernels import tree_attention as kernel
-  fn = functools.partial(kernel.tree_attention, sm_scale=sm_scale, interpret=impl == "pallas_interpret")
+  fn = functools.partial(kernel.tree_attention, sm_scale=sm_scale, interpret=impl == "pallas_interpret",
+                         tuning=tuning)
   if mesh is not None and mesh.size > 1:
     in_specs, out_specs = _kernel_specs(mesh, q.shape[0], q.shape[2], k_cache.shape[1])
     fn = jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
-  return fn(q, k_cache, v_cache, prefix_len, block_mask)
+  try:
+    return fn(q, k_cache, v_cache, prefix_len, block_mask)
+  except KernelError as e:
+    raise JetSpecError(str(e)) from None

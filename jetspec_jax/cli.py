@@ -39,66 +39,6 @@ def _dtype(name):
   return None if name in (None, "auto") else parse_dtype(name)
 
 
-CACHE_ENV = "JETSPEC_COMPILATION_CACHE"
-CACHE_MIN_COMPILE_S = 0.2     # programs that compile faster than this are not written to the cache
-
-
-def compilation_cache_dir(flag: str | None, env: dict, jax_dir: str | None, workdir: str | None) -> str | None:
-  """Where compiled programs persist across runs, or None (off).
-
-  ``--compilation-cache DIR|off`` first, then $JETSPEC_COMPILATION_CACHE (DIR|off), then a cache directory
-  jax already has ($JAX_COMPILATION_CACHE_DIR), then ``xla`` under the demo's workdir or $JETSPEC_CACHE
-  (default ~/.cache/jetspec-jax)."""
-  choice = flag if flag is not None else env.get(CACHE_ENV)
-  if choice is None:
-    if jax_dir:
-      return jax_dir
-    from jetspec_jax.demo import default_workdir
-    choice = os.path.join(workdir or default_workdir(), "xla")
-  return None if choice.strip().lower() in ("off", "none", "") else os.path.abspath(os.path.expanduser(choice))
-
-
-def usable_cache_dir(path: str, asked: bool) -> str | None:
-  """``path`` once it exists as a directory. When it cannot be created: an error if the user ``asked`` for
-  it (the flag, $JETSPEC_COMPILATION_CACHE or $JAX_COMPILATION_CACHE_DIR), else a warning on stderr and None
-  (the run compiles as usual)."""
-  try:
-    os.makedirs(path, exist_ok=True)
-    return path
-  except OSError as e:
-    problem = f"cannot create the compilation cache directory {path} ({e.strerror})"
-    if asked:
-      raise JetSpecError(f"{problem}; pass --compilation-cache DIR or --compilation-cache off") from None
-    print(f"warning: {problem}; compiling without a cache (--compilation-cache DIR picks another place)",
-          file=sys.stderr)
-    return None
-
-
-def _enable_compilation_cache(args) -> str | None:
-  """Points jax's persistent compilation cache at ``compilation_cache_dir`` before the first compile, so a
-  rerun loads its programs instead of compiling them (the demo's rerun: 46 s -> 22 s on a 2-core CPU)."""
-  import jax
-  jax_dir = jax.config.jax_compilation_cache_dir
-  path = compilation_cache_dir(args.compilation_cache, os.environ, jax_dir, getattr(args, "workdir", None))
-  if path is not None:
-    path = usable_cache_dir(path, asked=args.compilation_cache is not None or CACHE_ENV in os.environ
-                            or path == jax_dir)
-  if path is None:
-    jax.config.update("jax_enable_compilation_cache", False)
-    return None
-  if path != jax_dir:
-    use_compilation_cache(path)
-  return path
-
-
-def use_compilation_cache(path: str) -> None:
-  """Makes ``path`` jax's persistent compilation cache for programs that take CACHE_MIN_COMPILE_S or more to
-  compile. Takes effect only before the process's first compile (jax decides once whether the cache is on)."""
-  import jax
-  jax.config.update("jax_compilation_cache_dir", path)
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", CACHE_MIN_COMPILE_S)
-
-
 def _emit(args, result: dict, human: str) -> None:
   """Records the compilation cache in ``result`` and prints ``human``; with --json, ``main`` prints ``result``."""
   result["compilation_cache"] = args.compilation_cache_dir
@@ -163,16 +103,10 @@ def _load_tokenizer(side_dir: str):
   return load_tokenizer(side_dir)
 
 
-def _attention(args) -> str:
-  """The attention implementation of --attention; --kernel-tuning (a table from bench/gpu_check.py) is
-  checked and becomes the kernel's active table for this process."""
+def _attention(args):
+  """--attention with --kernel-tuning (a table from bench/gpu_check.py), checked: an ``AttentionImpl``."""
   from jetspec_jax.attention import resolve_implementation
-  impl = resolve_implementation(args.attention)
-  if args.kernel_tuning:
-    from pallas_kernels import tuning
-    tuning.load_tuning(args.kernel_tuning)
-    os.environ[tuning.ENV_VAR] = os.path.abspath(args.kernel_tuning)
-  return impl
+  return resolve_implementation(args.attention, args.kernel_tuning)
 
 
 def _check_positions(cfg, what: str, prompt_len: int, max_new_tokens: int) -> None:
@@ -224,7 +158,7 @@ def cmd_generate(args) -> dict:
   out = generator.generate([ids], args.max_new_tokens)
   tokens = out.tokens[0]
   res = {"token_ids": tokens, "prompt_ids": ids, "mode": "speculative" if args.head else "autoregressive",
-         "attention": impl, "backend": jax.default_backend(), "num_tokens": len(tokens),
+         "attention": impl.name, "backend": jax.default_backend(), "num_tokens": len(tokens),
          "target_forwards": out.target_forwards, "prefill_s": out.prefill_s, "decode_s": out.decode_s,
          "tokens_per_s": len(tokens) / max(out.decode_s + out.prefill_s, 1e-9),
          "sampling": generator.sampling.describe()}
@@ -235,7 +169,7 @@ def cmd_generate(args) -> dict:
   if tokenizer is not None:
     res["text"] = tokenizer.decode(tokens, skip_special_tokens=False)
   lines = [res.get("text", " ".join(map(str, tokens))), "",
-           f"{len(tokens)} tokens ({res['mode']}, {impl} attention): prefill {out.prefill_s:.3f}s, "
+           f"{len(tokens)} tokens ({res['mode']}, {impl.name} attention): prefill {out.prefill_s:.3f}s, "
            f"decode {out.decode_s:.3f}s (compile included on first call)"]
   if args.head:
     lines.append(f"rounds {res['rounds']}, tau {res['tau']:.2f}, tree {res['tree']}, sampling {res['sampling']}")
@@ -339,8 +273,7 @@ def build_parser() -> argparse.ArgumentParser:
   def attention_flags(sp):
     sp.add_argument("--attention", default="auto", help="auto (pallas on GPU, else xla) | xla | pallas | pallas_interpret")
     sp.add_argument("--kernel-tuning", help="tuning table (JSON) for the pallas kernel, e.g. the kernel_tuning.json "
-                                            "bench/gpu_check.py writes (default: $JETSPEC_KERNEL_TUNING, the table "
-                                            "shipped for this GPU, or built-in defaults)")
+                                            "bench/gpu_check.py writes (default: the kernel's built-in table)")
 
   c = sub.add_parser("convert", help="Hugging Face Qwen3 directory -> JetSpec-JAX (orbax) checkpoint")
   c.add_argument("hf_dir")
@@ -441,7 +374,9 @@ def main(argv=None) -> int:
     args.bank = ["humaneval", "sharegpt"]
   try:
     with stdout_to_stderr() if args.json else contextlib.nullcontext():    # library chatter: not the JSON
-      args.compilation_cache_dir = _enable_compilation_cache(args)
+      from jetspec_jax.cache import enable_compilation_cache
+      args.compilation_cache_dir = enable_compilation_cache(args.compilation_cache, os.environ,
+                                                            getattr(args, "workdir", None))
       result = args.fn(args)
   except JetSpecError as e:
     print(f"error: {e}", file=sys.stderr)

@@ -301,10 +301,6 @@ def is_converted_checkpoint(path: str) -> bool:
   return os.path.isfile(os.path.join(path, CHECKPOINT_MARKER))
 
 
-def _default_progress(it):
-  return it
-
-
 def read_target_config(path: str) -> tuple[Qwen3Config, str]:
   """(cfg, side_dir) of a target (HF directory or converted checkpoint) without reading its weights;
   side_dir holds the HF config/tokenizer files (``path`` itself for an HF directory)."""
@@ -319,7 +315,7 @@ def read_target_config(path: str) -> tuple[Qwen3Config, str]:
   return load_hf_config(side), side
 
 
-def load_target(path: str, dtype=None, mesh=None, progress=_default_progress):
+def load_target(path: str, dtype=None, mesh=None, progress=iter):
   """Load a target from an HF directory or a converted checkpoint.
 
   Returns (cfg, params, side_dir) where side_dir holds the HF config/tokenizer files.
@@ -336,7 +332,7 @@ def load_target(path: str, dtype=None, mesh=None, progress=_default_progress):
 
 
 def convert_hf(hf_dir: str, out_dir: str, dtype=None, mesh=None, overwrite=False,
-               progress=_default_progress) -> dict:
+               progress=iter) -> dict:
   """HF directory -> converted checkpoint (orbax params + hf/ side files), written atomically."""
   check_output_dir(out_dir, overwrite)
   cfg, params, side = load_target(hf_dir, dtype, mesh, progress)
@@ -352,7 +348,7 @@ def convert_hf(hf_dir: str, out_dir: str, dtype=None, mesh=None, overwrite=False
 
 
 def export_hf(ckpt_dir: str, out_dir: str, shard_bytes: int = DEFAULT_SHARD_BYTES, overwrite=False,
-              progress=_default_progress) -> dict:
+              progress=iter) -> dict:
   """Converted checkpoint (or HF dir) -> HF directory: sharded safetensors + index + side files."""
   check_output_dir(out_dir, overwrite)
   cfg, params, side = load_target(ckpt_dir, None, None, progress)

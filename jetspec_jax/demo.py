@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jetspec_jax import bench, convert
+from jetspec_jax import bench, cache, convert
 from jetspec_jax.decode.generation import Generator
 from jetspec_jax.decode.speculative import TreeConfig
 from jetspec_jax.models import draft_head, qwen3
@@ -73,10 +73,6 @@ QUICK = DemoSettings(tokenizer_texts=300, vocab_size=512, seq_len=96, pretrain_c
                      pretrain_batch=8, regen_conversations=96, regen_humaneval_from=140, regen_max_new_tokens=64,
                      regen_batch=16, head_steps=300, head_batch=16, head_anchors=16, bench_prompts=2,
                      bench_prompt_len=24, bench_new_tokens=48, bench_budgets=(16, 64), bench_repeats=1)
-
-
-def default_workdir() -> str:
-  return os.environ.get("JETSPEC_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "jetspec-jax")
 
 
 def _sharegpt_slice(start: int, stop: int):
@@ -131,7 +127,7 @@ STAGES = (
                                    "orbax-checkpoint")),
     StageSpec("head_run", ("seq_len", "head_layers", "head_target_layers", "head_block", "head_steps", "head_batch",
                            "head_lr", "head_anchors", "head_loss", "seed"), ("target_ckpt", "regenerated"),
-              ("jetspec_jax.demo:build_head", "configs.tiny"),
+              ("jetspec_jax.demo:build_head", "jetspec_jax.configs.tiny"),
               NUMERIC_LIBRARIES + ("tokenizers", "transformers", "orbax-checkpoint", "tensorflow-datasets",
                                    "array_record")),
 )
@@ -232,7 +228,7 @@ def run(workdir: str | None = None, settings: DemoSettings = DemoSettings(), qui
   """Run (or reuse) every stage; returns the measured results (also written to demo.json)."""
   from jetspec_jax.tokenizer import load_tokenizer
   s = settings
-  root = os.path.abspath(workdir or default_workdir())
+  root = os.path.abspath(workdir or cache.default_root())
   os.makedirs(root, exist_ok=True)
   say = (lambda *a: None) if quiet else (lambda *a: print(*a, flush=True))
   t_start = time.perf_counter()

@@ -21,7 +21,7 @@ import os
 import shutil
 from typing import Sequence
 
-PROJECT_PACKAGES = ("jetspec_jax", "pallas_kernels", "configs")
+PROJECT_PACKAGES = ("jetspec_jax", "pallas_kernels")
 
 
 def _digest(obj) -> str:
@@ -42,6 +42,10 @@ def _module_file(name: str) -> str | None:
   root = _package_dir(top) if top in PROJECT_PACKAGES else None
   if root is None:
     return None
+  if rest and not os.path.exists(os.path.join(root, rest[0])) and not os.path.isfile(os.path.join(root, rest[0] + ".py")):
+    sub = _package_dir(f"{top}.{rest[0]}")        # a subpackage installed from elsewhere (configs/)
+    if sub is not None:
+      root, rest = sub, rest[1:]
   base = os.path.join(root, *rest)
   if rest and os.path.isfile(base + ".py"):
     return base + ".py"

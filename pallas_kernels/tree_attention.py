@@ -1,6 +1,6 @@
 """Tree-masked attention over a KV cache: a flash-attention style Pallas kernel (Triton backend).
 
-Same contract as ``jetspec_jax.attention.xla_attention`` (the reference):
+Same contract as ``pallas_kernels.reference.xla_attention`` (the XLA reference):
   q          [B, T, Hq, Dh]   T new rows (tree nodes, one decode token, or a prompt chunk)
   k_cache    [B, Hkv, S, Dh]  the new rows' own keys/values already written at cache
   v_cache    [B, Hkv, S, Dh]  positions prefix_len[b] + t, t < T (so prefix_len[b] + T <= S)
@@ -27,8 +27,8 @@ l) in float32, and ``combine_splits`` (XLA) merges them: out = sum_s 2^(m_s - m)
 sum_s 2^(m_s - m) l_s with m = max_s m_s. One split writes the normalised output directly.
 
 Launch configuration (tile sizes, warps, stages, splits): from a tuning table by the problem's tile
-rows (``pallas_kernels.tuning``: $JETSPEC_KERNEL_TUNING, the table shipped for the device kind, or
-the default), unless the call gives it.
+rows: the ``tuning`` a call passes, else ``pallas_kernels.tuning.DEFAULT_TUNING``; explicit launch
+parameters override the table's.
 
 Triton's rules, which interpret mode does not enforce, are checked by ``launch_shapes``:
 every tile dimension is a power of two and every dot operand dimension is >= 16.
@@ -45,8 +45,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jetspec_jax.errors import JetSpecError
-from pallas_kernels.tuning import KernelTuning, LaunchConfig, active_tuning
+from pallas_kernels.errors import KernelError
+from pallas_kernels.tuning import DEFAULT_TUNING, KernelTuning, LaunchConfig
 
 SUPPORTED_HEAD_DIMS = (64, 128)
 SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
@@ -104,7 +104,7 @@ def launch_shapes(batch: int, num_q: int, num_q_heads: int, num_kv_heads: int, h
                   block_k: int = LaunchConfig.block_k, num_splits: int | None = None,
                   target_programs: int = LaunchConfig.target_programs, min_split_keys: int | None = None,
                   num_warps: int = LaunchConfig.num_warps, num_stages: int = LaunchConfig.num_stages) -> LaunchShapes:
-  """Tile sizes for a problem; raises ``JetSpecError`` for unsupported shapes or illegal tiles.
+  """Tile sizes for a problem; raises ``KernelError`` for unsupported shapes or illegal tiles.
 
   ``block_r`` and ``block_k`` are upper bounds (powers of two >= 16): a tile never has more rows
   than the next power of two >= max(group * num_q, 16), and the tree step never has more keys
@@ -117,18 +117,18 @@ def launch_shapes(batch: int, num_q: int, num_q_heads: int, num_kv_heads: int, h
   key/value bytes).
   """
   if head_dim not in SUPPORTED_HEAD_DIMS:
-    raise JetSpecError(f"tree attention supports head_dim {SUPPORTED_HEAD_DIMS}, not {head_dim}; use --attention xla.")
+    raise KernelError(f"tree attention supports head_dim {SUPPORTED_HEAD_DIMS}, not {head_dim}; use --attention xla.")
   if num_kv_heads < 1 or num_q_heads % num_kv_heads:
-    raise JetSpecError(f"query heads ({num_q_heads}) must be a multiple of kv heads ({num_kv_heads}).")
+    raise KernelError(f"query heads ({num_q_heads}) must be a multiple of kv heads ({num_kv_heads}).")
   if batch < 1 or num_q < 1:
-    raise JetSpecError(f"tree attention needs a batch row and a query, got B={batch}, T={num_q}.")
+    raise KernelError(f"tree attention needs a batch row and a query, got B={batch}, T={num_q}.")
   for name, value in (("block_r", block_r), ("block_k", block_k)):
     if not _is_pow2(value) or value < MIN_DOT_DIM:
-      raise JetSpecError(f"{name}={value} must be a power of two >= {MIN_DOT_DIM}.")
+      raise KernelError(f"{name}={value} must be a power of two >= {MIN_DOT_DIM}.")
   if num_splits is not None and num_splits < 1:
-    raise JetSpecError(f"num_splits={num_splits} must be at least 1 (or None to choose).")
+    raise KernelError(f"num_splits={num_splits} must be at least 1 (or None to choose).")
   if target_programs < 1 or (min_split_keys is not None and min_split_keys < 1):
-    raise JetSpecError(f"target_programs={target_programs} and min_split_keys={min_split_keys} must be at least 1.")
+    raise KernelError(f"target_programs={target_programs} and min_split_keys={min_split_keys} must be at least 1.")
   rows = num_q_heads // num_kv_heads * num_q
   block_r = min(block_r, pl.next_power_of_2(max(rows, MIN_DOT_DIM)))
   block_t = min(block_k, pl.next_power_of_2(max(num_q, MIN_DOT_DIM)))
@@ -145,7 +145,7 @@ def launch_shapes(batch: int, num_q: int, num_q_heads: int, num_kv_heads: int, h
       num_splits=num_splits, min_split_blocks=min_split_blocks,
       grid=(batch, num_kv_heads, row_blocks, num_splits), num_warps=num_warps, num_stages=num_stages)
   if problems := shapes.triton_violations():
-    raise JetSpecError(f"illegal Triton launch for this problem: {'; '.join(problems)}.")
+    raise KernelError(f"illegal Triton launch for this problem: {'; '.join(problems)}.")
   return shapes
 
 
@@ -277,8 +277,8 @@ def combine_splits(acc: jax.Array, m: jax.Array, l: jax.Array, dtype) -> jax.Arr
 
 def resolve_config(rows: int, tuning: KernelTuning | None = None, **overrides) -> LaunchConfig:
   """The launch configuration of a problem with ``rows`` tile rows (group x tree nodes): the tuning
-  table's (default: ``active_tuning()``), with every override that is not None applied."""
-  config = (tuning or active_tuning()).config_for(rows)
+  table's (default: ``DEFAULT_TUNING``), with every override that is not None applied."""
+  config = (tuning or DEFAULT_TUNING).config_for(rows)
   return dataclasses.replace(config, **{k: v for k, v in overrides.items() if v is not None})
 
 
@@ -288,26 +288,26 @@ def tree_attention(q, k_cache, v_cache, prefix_len, block_mask, *, sm_scale: flo
                    tuning: KernelTuning | None = None, debug: bool = False):
   """Tree-masked attention with the Pallas Triton kernel (shapes in the module docstring).
 
-  The launch configuration comes from ``tuning`` (default: ``tuning.active_tuning()``) by the
+  The launch configuration comes from ``tuning`` (default: ``DEFAULT_TUNING``) by the
   problem's tile rows; ``block_r``, ``block_k``, ``num_splits``, ``num_warps`` and ``num_stages``
   given here override it (see ``launch_shapes``). ``interpret=True`` runs the kernel on any backend;
   ``debug=True`` prints the kernel jaxpr and, when lowered for a GPU, its Triton IR.
   """
   if q.ndim != 4 or k_cache.ndim != 4:
-    raise JetSpecError(
+    raise KernelError(
         f"expected q [B, T, Hq, Dh] and k_cache [B, Hkv, S, Dh], got {q.shape} and {k_cache.shape}.")
   batch, num_q, num_q_heads, head_dim = q.shape
   _, num_kv_heads, cache_len, _ = k_cache.shape
   if k_cache.shape != v_cache.shape or k_cache.shape[0] != batch or k_cache.shape[3] != head_dim:
-    raise JetSpecError(f"k_cache {k_cache.shape} and v_cache {v_cache.shape} must both be "
+    raise KernelError(f"k_cache {k_cache.shape} and v_cache {v_cache.shape} must both be "
                        f"[B, Hkv, S, Dh] for q {q.shape}.")
   if block_mask.shape != (batch, num_q, num_q) or prefix_len.shape != (batch,):
-    raise JetSpecError(f"expected block_mask [B, T, T] and prefix_len [B] for q {q.shape}, "
+    raise KernelError(f"expected block_mask [B, T, T] and prefix_len [B] for q {q.shape}, "
                        f"got {block_mask.shape} and {prefix_len.shape}.")
   if cache_len < num_q:
-    raise JetSpecError(f"the cache ({cache_len} positions) cannot hold the {num_q} new rows.")
+    raise KernelError(f"the cache ({cache_len} positions) cannot hold the {num_q} new rows.")
   if q.dtype != k_cache.dtype or q.dtype != v_cache.dtype or q.dtype not in SUPPORTED_DTYPES:
-    raise JetSpecError(f"q, k_cache and v_cache must share one of float32/bfloat16/float16, "
+    raise KernelError(f"q, k_cache and v_cache must share one of float32/bfloat16/float16, "
                        f"got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}.")
   rows = num_q_heads // max(num_kv_heads, 1) * num_q          # launch_shapes checks the head counts
   config = resolve_config(rows, tuning, block_r=block_r, block_k=block_k, num_splits=num_splits,

@@ -10,24 +10,19 @@ rows <= max_rows that no earlier rule takes; problems above every rule use the l
 
 (a field left out of a rule takes ``LaunchConfig``'s default).
 
-``active_tuning()`` is the table the kernel uses when a call does not pass launch parameters: the
-file named by the environment variable ``JETSPEC_KERNEL_TUNING`` when it is set, else the table
-shipped for this device kind (``pallas_kernels/tuning/<device kind>.json``, e.g.
-``nvidia_h200.json``) when there is one, else ``DEFAULT_TUNING``. The table is read when a kernel
-call is traced: a jitted caller compiled before the variable changed keeps its configuration.
+A table travels to the kernel as a static value (``tree_attention(..., tuning=)``, through
+``jetspec_jax.attention.AttentionImpl`` from the CLI's ``--kernel-tuning``); a call without one
+uses ``DEFAULT_TUNING``.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
 import os
-import re
 from pathlib import Path
 
-from jetspec_jax.errors import JetSpecError
+from pallas_kernels.errors import KernelError
 
-ENV_VAR = "JETSPEC_KERNEL_TUNING"
-SHIPPED_DIR = Path(__file__).parent / "tuning"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,7 +54,7 @@ class KernelTuning:
   def __post_init__(self):
     bounds = [max_rows for max_rows, _ in self.rules]
     if not bounds or any(b < 1 for b in bounds) or bounds != sorted(set(bounds)):
-      raise JetSpecError(f"a kernel tuning needs at least one rule, with max_rows >= 1 strictly increasing; "
+      raise KernelError(f"a kernel tuning needs at least one rule, with max_rows >= 1 strictly increasing; "
                          f"got max_rows {bounds}.")
 
   def config_for(self, rows: int) -> LaunchConfig:
@@ -72,22 +67,22 @@ class KernelTuning:
 
   @classmethod
   def from_json(cls, data, *, source: str = "kernel tuning") -> KernelTuning:
-    """Parses ``to_json``'s form; every problem is a JetSpecError that names ``source`` and the key."""
+    """Parses ``to_json``'s form; every problem is a KernelError that names ``source`` and the key."""
     if not isinstance(data, dict) or not isinstance(data.get("rules"), list):
-      raise JetSpecError(f"{source}: expected an object with a list 'rules', got {type(data).__name__}.")
+      raise KernelError(f"{source}: expected an object with a list 'rules', got {type(data).__name__}.")
     rules = []
     for i, rule in enumerate(data["rules"]):
       if not isinstance(rule, dict):
-        raise JetSpecError(f"{source}: rules[{i}] is not an object.")
+        raise KernelError(f"{source}: rules[{i}] is not an object.")
       unknown = sorted(set(rule) - {"max_rows", *FIELDS})
       if unknown:
-        raise JetSpecError(f"{source}: rules[{i}] has unknown key(s) {unknown}; allowed: max_rows, {', '.join(FIELDS)}.")
+        raise KernelError(f"{source}: rules[{i}] has unknown key(s) {unknown}; allowed: max_rows, {', '.join(FIELDS)}.")
       if not isinstance(rule.get("max_rows"), int):
-        raise JetSpecError(f"{source}: rules[{i}] needs an integer 'max_rows'.")
+        raise KernelError(f"{source}: rules[{i}] needs an integer 'max_rows'.")
       fields = {k: v for k, v in rule.items() if k != "max_rows"}
       for key, value in fields.items():
         if not (isinstance(value, int) or (key in OPTIONAL and value is None)):
-          raise JetSpecError(f"{source}: rules[{i}].{key} must be an integer, got {value!r}.")
+          raise KernelError(f"{source}: rules[{i}].{key} must be an integer, got {value!r}.")
       rules.append((rule["max_rows"], LaunchConfig(**fields)))
     return cls(rules=tuple(rules), device_kind=str(data.get("device_kind", "")))
 
@@ -103,33 +98,16 @@ DEFAULT_TUNING = KernelTuning(rules=((4096, LaunchConfig()),))   # one configura
 
 
 def load_tuning(path: str | os.PathLike) -> KernelTuning:
-  """The table in a JSON file (see the module docstring); a clear error for a missing or bad file.
-  Read on every call (a kernel trace, a few hundred bytes): an edited file always takes effect."""
+  """The table in a JSON file (see the module docstring); a clear error for a missing or bad file."""
   path = Path(path)
   if path.is_dir():
-    raise JetSpecError(f"kernel tuning file {path} is a directory; pass the JSON file in it "
+    raise KernelError(f"kernel tuning file {path} is a directory; pass the JSON file in it "
                        f"(e.g. {path / 'kernel_tuning.json'}).")
   if not path.is_file():
-    raise JetSpecError(f"kernel tuning file {path} does not exist.")
+    raise KernelError(f"kernel tuning file {path} does not exist.")
   try:
     data = json.loads(path.read_text())
   except json.JSONDecodeError as e:
-    raise JetSpecError(f"kernel tuning {path} is not valid JSON: {e}.") from None
+    raise KernelError(f"kernel tuning {path} is not valid JSON: {e}.") from None
   return KernelTuning.from_json(data, source=f"kernel tuning {path}")
 
-
-def shipped_path(device_kind: str) -> Path:
-  """Where the table shipped for a device kind lives: "NVIDIA H200" -> tuning/nvidia_h200.json."""
-  return SHIPPED_DIR / (re.sub(r"[^a-z0-9]+", "_", device_kind.lower()).strip("_") + ".json")
-
-
-def active_tuning(device_kind: str | None = None) -> KernelTuning:
-  """$JETSPEC_KERNEL_TUNING, else the shipped table of ``device_kind`` (default: the first device's),
-  else DEFAULT_TUNING."""
-  if path := os.environ.get(ENV_VAR):
-    return load_tuning(path)
-  if device_kind is None:
-    import jax
-    device_kind = jax.devices()[0].device_kind
-  shipped = shipped_path(device_kind)
-  return load_tuning(shipped) if shipped.is_file() else DEFAULT_TUNING

@@ -13,11 +13,13 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import pytest  # noqa: E402
-import torch  # noqa: E402
 
-import hf_fixtures  # noqa: E402
-
-torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
+try:
+  import torch  # noqa: E402
+except ImportError:   # the torch-free venv of .ci/run (Python 3.12) runs only the tests that need no torch
+  pass
+else:
+  torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
 
 
 def pytest_configure(config):
@@ -26,10 +28,10 @@ def pytest_configure(config):
   caches are dropped after every module (below). Set before collection, so before the first compile
   (jax decides once whether the cache is on). The commands that tests run in child processes use it too
   ($JETSPEC_COMPILATION_CACHE), instead of the user's ~/.cache/jetspec-jax/xla."""
-  from jetspec_jax import cli
+  from jetspec_jax import cache
   config._xla_cache_dir = tempfile.mkdtemp(prefix="jetspec_xla_cache_")
-  os.environ[cli.CACHE_ENV] = config._xla_cache_dir
-  cli.use_compilation_cache(config._xla_cache_dir)
+  os.environ[cache.COMPILATION_CACHE_ENV] = config._xla_cache_dir
+  cache.use_compilation_cache(config._xla_cache_dir)
 
 
 def pytest_unconfigure(config):
@@ -45,23 +47,12 @@ def _free_compiled_programs():
   jax.clear_caches()
 
 
-@pytest.fixture(autouse=True)
-def _isolated_kernel_tuning():
-  """Commands under test may set $JETSPEC_KERNEL_TUNING (``--kernel-tuning``, gpu_check's tune section):
-  every test starts with the value the session started with, and gets it back afterwards."""
-  name = "JETSPEC_KERNEL_TUNING"
-  before = os.environ.get(name)
-  yield
-  if before is None:
-    os.environ.pop(name, None)
-  else:
-    os.environ[name] = before
-
-
 @pytest.fixture(scope="session")
 def hf_dir(tmp_path_factory):
   """hf_dir(name, dtype='float32', max_shard_size=None) -> path of the saved HF model (cached)."""
   cache = {}
+
+  import hf_fixtures
 
   def get(name: str, dtype: str = "float32", max_shard_size=None) -> str:
     key = (name, dtype, max_shard_size)

@@ -4,7 +4,8 @@ import os
 
 import pytest
 
-from jetspec_jax import cli, convert
+from jetspec_jax import cache, cli, convert
+from jetspec_jax.errors import JetSpecError
 from jetspec_jax.models import draft_head
 
 
@@ -70,16 +71,21 @@ def test_convert_refuses_a_non_empty_output(hf_dir, tmp_path, capsys):
 
 
 def test_generate_takes_a_kernel_tuning_table(hf_dir, tmp_path, capsys, monkeypatch):
-  """--kernel-tuning checks the table and makes it the kernel's active one (test_decode_attention runs the
-  loops under a table); a bad table is refused before any model is loaded."""
+  """--kernel-tuning checks the table and hands it to the generator inside the attention choice
+  (test_decode_attention runs the loops under a table); a bad table is refused before any model is loaded."""
+  from jetspec_jax.attention import AttentionImpl
+  from jetspec_jax.decode import generation
   from pallas_kernels import tuning
-  monkeypatch.delenv(tuning.ENV_VAR, raising=False)        # the command sets it (conftest restores it)
+  table = tuning.KernelTuning(rules=((1, tuning.LaunchConfig(block_r=16)),))
   path = tmp_path / "tuning.json"
-  tuning.KernelTuning(rules=((1, tuning.LaunchConfig(block_r=16)),)).save(path)
+  table.save(path)
+  seen, init = [], generation.Generator.__init__
+  monkeypatch.setattr(generation.Generator, "__init__",
+                      lambda self, *a, **kw: (seen.append(kw["attn_impl"]), init(self, *a, **kw))[1])
   argv = ["generate", "--target", hf_dir("dense_tied", "float32"), "--prompt-ids", "1,2", "--max-new-tokens", "2",
           "--json", "--kernel-tuning"]
   code, stdout, _ = run(capsys, *argv, str(path))
-  assert code == 0 and os.environ[tuning.ENV_VAR] == str(path) and len(json.loads(stdout)["token_ids"]) == 2
+  assert code == 0 and seen == [AttentionImpl("xla", table)] and len(json.loads(stdout)["token_ids"]) == 2
   path.write_text('{"rules": [{"max_rows": 4, "blockr": 16}]}')
   code, _, err = run(capsys, *argv, str(path))
   assert code == 2 and "unknown key(s) ['blockr']" in err
@@ -88,25 +94,25 @@ def test_generate_takes_a_kernel_tuning_table(hf_dir, tmp_path, capsys, monkeypa
 def test_compilation_cache_directory_resolution(tmp_path):
   """--compilation-cache, then $JETSPEC_COMPILATION_CACHE, then jax's own directory, then xla/ under the
   demo's --workdir or $JETSPEC_CACHE; 'off' turns it off at either level."""
-  resolve = cli.compilation_cache_dir
+  resolve = cache.compilation_cache_dir
   flag, mine, jax_dir, work = (str(tmp_path / n) for n in ("flag", "env", "jax", "work"))
-  env = {cli.CACHE_ENV: mine}
+  env = {cache.COMPILATION_CACHE_ENV: mine}
   assert resolve(flag, env, jax_dir, work) == flag
   assert resolve(None, env, jax_dir, work) == mine
   assert resolve(None, {}, jax_dir, work) == jax_dir
   assert resolve(None, {}, None, work) == os.path.join(work, "xla")
-  assert resolve("off", env, jax_dir, work) is None and resolve(None, {cli.CACHE_ENV: "OFF"}, jax_dir, work) is None
+  assert resolve("off", env, jax_dir, work) is None and resolve(None, {cache.COMPILATION_CACHE_ENV: "OFF"}, jax_dir, work) is None
   assert resolve("~/c", {}, None, None) == os.path.join(os.path.expanduser("~"), "c")
 
 
 def test_an_uncreatable_default_cache_warns_and_an_asked_for_one_is_an_error(tmp_path, capsys):
   (tmp_path / "file").write_text("x")
   blocked = str(tmp_path / "file" / "xla")
-  assert cli.usable_cache_dir(blocked, asked=False) is None
+  assert cache.usable_cache_dir(blocked, asked=False) is None
   assert "compiling without a cache" in capsys.readouterr().err
-  with pytest.raises(cli.JetSpecError, match="cannot create the compilation cache directory"):
-    cli.usable_cache_dir(blocked, asked=True)
-  assert cli.usable_cache_dir(str(tmp_path / "new" / "xla"), asked=True) == str(tmp_path / "new" / "xla")
+  with pytest.raises(JetSpecError, match="cannot create the compilation cache directory"):
+    cache.usable_cache_dir(blocked, asked=True)
+  assert cache.usable_cache_dir(str(tmp_path / "new" / "xla"), asked=True) == str(tmp_path / "new" / "xla")
 
 
 def test_a_rerun_loads_its_programs_from_the_compilation_cache(hf_dir, tmp_path):

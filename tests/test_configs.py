@@ -7,9 +7,11 @@ import os
 import ml_collections
 import pytest
 
-from configs.base import base_config
-from jetspec_jax.train.config_file import REPO_ROOT, load_config
+from jetspec_jax.configs.base import base_config
+from jetspec_jax.errors import JetSpecError
+from jetspec_jax.train.config_file import load_config, shipped_configs
 
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHIPPED = sorted(os.path.basename(p)[:-3] for p in glob.glob(os.path.join(REPO_ROOT, "configs", "*.py"))
                  if os.path.basename(p) not in ("__init__.py", "base.py"))
 TARGET_LAYERS = {"qwen3_0p6b": 28, "qwen3_8b": 36, "qwen3_30b_a3b": 48}     # of the target each is written for
@@ -27,7 +29,13 @@ def leaves(config: ml_collections.ConfigDict, prefix: str = "") -> dict:
 
 
 def test_every_target_config_is_covered():
-  assert set(TARGET_LAYERS) | {"tiny"} == set(SHIPPED)
+  assert set(TARGET_LAYERS) | {"tiny"} == set(SHIPPED) == set(shipped_configs())
+
+
+def test_a_config_loads_by_path_and_by_name_and_an_unknown_name_lists_the_shipped_ones():
+  assert leaves(load_config(os.path.join(REPO_ROOT, "configs", "tiny.py"))) == leaves(load_config("tiny"))
+  with pytest.raises(JetSpecError, match="shipped configs: qwen3_0p6b, qwen3_30b_a3b, qwen3_8b, tiny"):
+    load_config("tinyy")
 
 
 @pytest.mark.parametrize("name", SHIPPED)

@@ -44,24 +44,24 @@ def test_pallas_interpret_matches_xla_in_the_speculative_loop():
   assert ar.tokens == reference()
 
 
-def test_the_loops_use_the_active_kernel_tuning_table(tmp_path, monkeypatch):
-  """With $JETSPEC_KERNEL_TUNING set, every kernel launch the loops trace takes the table's configuration
-  (here: small tiles and two prefix splits for every problem), and the tokens stay those of XLA."""
+def test_the_loops_use_the_kernel_tuning_table_they_are_given(monkeypatch):
+  """With a tuning table in the attention choice, every kernel launch the loops trace takes the table's
+  configuration (here: small tiles and two prefix splits for every problem), and the tokens stay those of XLA."""
+  from jetspec_jax.attention import AttentionImpl
   from pallas_kernels import tree_attention as ta
   from pallas_kernels import tuning
   config = tuning.LaunchConfig(block_r=16, block_k=16, num_warps=2, num_stages=3, num_splits=2)
-  tuning.KernelTuning(rules=((1, config),)).save(tmp_path / "table.json")
-  monkeypatch.setenv(tuning.ENV_VAR, str(tmp_path / "table.json"))
+  impl = AttentionImpl("pallas_interpret", tuning.KernelTuning(rules=((1, config),)))
   launched = []
   launch = ta._launch
   monkeypatch.setattr(ta, "_launch", lambda *a, shapes, **kw: (launched.append(shapes), launch(*a, shapes=shapes, **kw))[1])
   tp, hcfg, hp = models()
   new = 7                                  # shapes no other test traces: nothing compiled earlier is reused
   ref = Generator(CFG, tp, head_cfg=hcfg, head_params=hp, tree=TREE).generate(PROMPTS, new).tokens
-  kernel = Generator(CFG, tp, head_cfg=hcfg, head_params=hp, tree=TREE, attn_impl="pallas_interpret")
+  kernel = Generator(CFG, tp, head_cfg=hcfg, head_params=hp, tree=TREE, attn_impl=impl)
   out = kernel.generate(PROMPTS, new)
   assert out.tokens == ref
-  assert Generator(CFG, tp, attn_impl="pallas_interpret").generate(PROMPTS, new).tokens == ref
+  assert Generator(CFG, tp, attn_impl=impl).generate(PROMPTS, new).tokens == ref
   assert launched and all((s.block_r, s.block_k, s.num_warps, s.num_stages, s.num_splits) == (16, 16, 2, 3, 2)
                           for s in launched)
 

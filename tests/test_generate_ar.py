@@ -6,7 +6,6 @@ import pytest
 import torch
 
 import hf_fixtures
-from jetspec_jax.decode import prompts as prompts_lib
 from jetspec_jax.decode.generation import Generator
 from jetspec_jax.errors import JetSpecError
 
@@ -59,36 +58,8 @@ def test_batch3_matches_transformers_left_padded_batch(target, hf_reference):
     hf = model.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, do_sample=False,
                         eos_token_id=None, pad_token_id=0)[:, width:].tolist()
   assert hf == hf_reference
-  # from_padded on exactly that left-padded batch gives the same generation.
-  rows = prompts_lib.from_padded(ids.numpy(), mask.numpy())
-  assert rows == PROMPTS
-  out = Generator(cfg, params).generate(rows, MAX_NEW)
+  out = Generator(cfg, params).generate(PROMPTS, MAX_NEW)
   assert out.tokens == hf
-
-
-@pytest.mark.parametrize("side", ["left", "right"])
-def test_from_padded_gives_same_generation(side, target, hf_reference):
-  cfg, params = target
-  width = max(map(len, PROMPTS)) + 2
-  tokens = np.full((len(PROMPTS), width), 77, np.int32)     # pad id deliberately a real token
-  mask = np.zeros((len(PROMPTS), width), np.int32)
-  for i, p in enumerate(PROMPTS):
-    sl = slice(width - len(p), width) if side == "left" else slice(0, len(p))
-    tokens[i, sl] = p
-    mask[i, sl] = 1
-  rows = prompts_lib.from_padded(tokens, mask)
-  assert rows == PROMPTS
-  out = Generator(cfg, params).generate(rows, MAX_NEW)
-  assert out.tokens == hf_reference
-
-
-def test_from_padded_rejects_bad_masks():
-  with pytest.raises(JetSpecError, match="contiguous"):
-    prompts_lib.from_padded(np.ones((1, 4)), np.array([[1, 0, 1, 1]]))
-  with pytest.raises(JetSpecError, match="contiguous"):
-    prompts_lib.from_padded(np.ones((1, 4)), np.zeros((1, 4)))
-  with pytest.raises(JetSpecError, match="differ in shape"):
-    prompts_lib.from_padded(np.ones((2, 4)), np.ones((2, 3)))
 
 
 def _eos_choice(continuation):

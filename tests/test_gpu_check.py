@@ -26,7 +26,6 @@ def gpu_check():
 def test_smoke_run_writes_every_section(gpu_check, tmp_path, monkeypatch):
   from pallas_kernels import tuning
   monkeypatch.setenv("OUT", str(tmp_path))
-  monkeypatch.delenv(tuning.ENV_VAR, raising=False)         # the run sets it (conftest restores it)
   # the profile section generates as many tokens as the decode section (its default), so it reuses its compiles
   assert gpu_check.main(["--smoke", "--decode-budgets", "16", "--profile-budgets", "16", "--decode-new-tokens", "9"]) == 0
   report = json.loads((tmp_path / "gpu_check.json").read_text())
@@ -53,9 +52,10 @@ def test_smoke_run_writes_every_section(gpu_check, tmp_path, monkeypatch):
   tune = report["tune"]
   assert [(r["n"], r["prefix"]) for r in tune["best"]] == [(5, 3)]
   assert all("us" in r for r in tune["rows"]) and all(r["speedup_vs_default"] >= 1 for r in tune["best"])
-  # the sweep's table (one rule: rows = group 2 x N 5) was saved and made active for the model sections
+  # the sweep's table (one rule: rows = group 2 x N 5) was saved and passed to the model sections
   table = tuning.load_tuning(tmp_path / "kernel_tuning.json")
-  assert tune["applied"] == str(tmp_path / "kernel_tuning.json") == os.environ[tuning.ENV_VAR]
+  assert tune["applied"] == str(tmp_path / "kernel_tuning.json")
+  assert report["phases"]["kernel_tuning"] == table.to_json()           # the model sections ran with the sweep's table
   fastest = tune["best"][0]
   assert table.rules == ((10, tuning.LaunchConfig(**{k: fastest[k] for k in tuning.FIELDS})),)
   assert report["kernel"]["tuning"] == tuning.DEFAULT_TUNING.to_json()

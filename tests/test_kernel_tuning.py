@@ -1,6 +1,5 @@
-"""Kernel tuning tables: rule selection, the JSON file and its errors, where the active table comes
-from, and that the kernel launches with the table's configuration (CUDA lowering) unless the call
-overrides it. (test_tree_attention checks tuned configurations against the XLA reference.)"""
+"""Kernel tuning tables: rule selection, the JSON file and its errors, and that the kernel launches with
+the table's configuration (CUDA lowering) unless the call overrides it. (test_tree_attention checks tuned configurations against the XLA reference.)"""
 from __future__ import annotations
 
 import json
@@ -9,7 +8,9 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from jetspec_jax.attention import AttentionImpl, attention
 from jetspec_jax.errors import JetSpecError
+from pallas_kernels.errors import KernelError
 from pallas_kernels import tree_attention as ta
 from pallas_kernels import tuning as kt
 
@@ -45,56 +46,44 @@ def test_json_round_trip_writes_through_a_temporary_file(tmp_path):
 def test_bad_tuning_files_get_errors_that_name_the_problem(tmp_path, content, message):
   path = tmp_path / "bad.json"
   path.write_text(content)
-  with pytest.raises(JetSpecError, match=message):
+  with pytest.raises(KernelError, match=message):
     kt.load_tuning(path)
 
 
 def test_missing_tuning_file(tmp_path):
-  with pytest.raises(JetSpecError, match="does not exist"):
+  with pytest.raises(KernelError, match="does not exist"):
     kt.load_tuning(tmp_path / "absent.json")
 
 
-def test_active_tuning_prefers_the_environment_then_the_shipped_table(tmp_path, monkeypatch):
-  monkeypatch.delenv(kt.ENV_VAR, raising=False)
-  monkeypatch.setattr(kt, "SHIPPED_DIR", tmp_path)
-  assert kt.active_tuning("Some GPU") == kt.DEFAULT_TUNING
-  assert kt.shipped_path("NVIDIA H200") == tmp_path / "nvidia_h200.json"
-  TABLE.save(tmp_path / "nvidia_h200.json")
-  assert kt.active_tuning("NVIDIA H200") == TABLE
-  other = kt.KernelTuning(rules=((1, LARGE),))
-  other.save(tmp_path / "env.json")
-  monkeypatch.setenv(kt.ENV_VAR, str(tmp_path / "env.json"))
-  assert kt.active_tuning("NVIDIA H200") == other
-  other = kt.KernelTuning(rules=((1, SMALL),))               # an edited file is read again
-  other.save(tmp_path / "env.json")
-  assert kt.active_tuning("NVIDIA H200") == other
+def test_a_call_without_a_table_uses_the_default():
+  assert "num_warps = 4" in _lowered_text(128) and "num_stages = 2" in _lowered_text(128)
 
 
-def _lowered_text(num_q: int, **kwargs) -> str:
+def _lowered_text(num_q: int, call=ta.tree_attention, **kwargs) -> str:
   spec = jax.ShapeDtypeStruct
   args = (spec((1, num_q, 32, 128), jnp.bfloat16), spec((1, 8, 4096, 128), jnp.bfloat16),
           spec((1, 8, 4096, 128), jnp.bfloat16), spec((1,), jnp.int32), spec((1, num_q, num_q), jnp.bool_))
-  fn = jax.jit(lambda *a: ta.tree_attention(*a, **kwargs))
+  fn = jax.jit(lambda *a: call(*a, **kwargs))
   return fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
-def test_kernel_launches_with_the_tables_configuration(tmp_path, monkeypatch):
-  """The environment's table reaches the Triton call (warps, stages), per problem size; a call's own
-  parameters override it."""
-  TABLE.save(tmp_path / "t.json")
-  monkeypatch.setenv(kt.ENV_VAR, str(tmp_path / "t.json"))
-  assert "num_warps = 8" in _lowered_text(128) and "num_stages = 3" in _lowered_text(128)   # rows 512: LARGE
-  small = _lowered_text(1)                                                                   # rows 4: SMALL
+def test_kernel_launches_with_the_tables_configuration():
+  """The table a call passes reaches the Triton call (warps, stages), per problem size, directly and through
+  ``attention``'s AttentionImpl; a call's own parameters override it."""
+  assert "num_warps = 8" in _lowered_text(128, tuning=TABLE) and "num_stages = 3" in _lowered_text(128, tuning=TABLE)
+  small = _lowered_text(1, tuning=TABLE)                                                     # rows 4: SMALL
   assert "num_warps = 4" in small and "num_stages = 3" in small
-  assert "num_warps = 2" in _lowered_text(128, num_warps=2)
-  assert "num_warps = 8" in _lowered_text(128, tuning=kt.KernelTuning(rules=((1, LARGE),)))
+  assert "num_warps = 2" in _lowered_text(128, tuning=TABLE, num_warps=2)
+  assert "num_warps = 8" in _lowered_text(128, call=attention, impl=AttentionImpl("pallas", TABLE))   # rows 512: LARGE
 
 
-def test_an_illegal_table_entry_is_refused_at_the_call(tmp_path, monkeypatch):
-  kt.KernelTuning(rules=((8, kt.LaunchConfig(block_r=48)),)).save(tmp_path / "t.json")
-  monkeypatch.setenv(kt.ENV_VAR, str(tmp_path / "t.json"))
+def test_an_illegal_table_entry_is_refused_at_the_call():
+  """The kernel's own error; through ``attention`` it is the project's one-sentence JetSpecError."""
+  bad = kt.KernelTuning(rules=((8, kt.LaunchConfig(block_r=48)),))
+  with pytest.raises(KernelError, match="block_r=48"):
+    _lowered_text(1, tuning=bad)
   with pytest.raises(JetSpecError, match="block_r=48"):
-    _lowered_text(1)
+    _lowered_text(1, call=attention, impl=AttentionImpl("pallas", bad))
 
 
 def test_every_tune_candidate_lowers_to_a_verified_triton_module(triton_modules):

@@ -1,4 +1,4 @@
-"""Host-side prompt batching: lists of ids or padded arrays (either side) -> right-padded batch."""
+"""Host-side prompt batching: lists of ids -> a right-padded batch."""
 from __future__ import annotations
 
 from typing import Sequence
@@ -24,20 +24,3 @@ def batch_prompts(prompts: Sequence[Sequence[int]], vocab_size: int, pad_id: int
   for i, p in enumerate(prompts):
     tokens[i, :len(p)] = p
   return tokens, lengths
-
-
-def from_padded(tokens: np.ndarray, attention_mask: np.ndarray) -> list[list[int]]:
-  """A padded batch with an HF-style attention mask (left or right padding) -> id lists.
-
-  The mask must be one contiguous run of ones per row.
-  """
-  tokens, attention_mask = np.asarray(tokens), np.asarray(attention_mask).astype(bool)
-  if tokens.shape != attention_mask.shape:
-    raise JetSpecError(f"tokens {tokens.shape} and attention_mask {attention_mask.shape} differ in shape")
-  rows = []
-  for t, m in zip(tokens, attention_mask):
-    idx = np.flatnonzero(m)
-    if idx.size == 0 or idx[-1] - idx[0] + 1 != idx.size:
-      raise JetSpecError("each attention_mask row must be one contiguous run of ones")
-    rows.append(t[idx].tolist())
-  return rows

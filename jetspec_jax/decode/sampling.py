@@ -82,12 +82,6 @@ def sample_tokens(logits: jax.Array, key: jax.Array, temperature: float, top_k: 
                                                                           ).astype(jnp.int32)
 
 
-def select_tokens(logits: jax.Array, key: jax.Array, temperature: float, top_k: int = 0,
-                  top_p: float = 1.0) -> jax.Array:
-  """logits [..., V] float32 -> token ids [...] int32; ``temperature`` is static (0 = greedy)."""
-  return sample_tokens(logits, key, temperature, top_k, top_p)
-
-
 def sequence_keys(key: jax.Array, batch: int) -> jax.Array:
   """One key per sequence: fold_in(key, b) for b < batch -> [B] keys."""
   return jax.vmap(lambda b: jax.random.fold_in(key, b))(jnp.arange(batch, dtype=jnp.uint32))

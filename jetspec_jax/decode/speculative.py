@@ -37,8 +37,9 @@ from jetspec_jax.models.draft_head import DraftConfig
 
 @dataclasses.dataclass(frozen=True)
 class TreeConfig:
-  """Static tree shape: method (accum_logp | top2gap | chain), node budget (counts the root),
-  width W (top-W tokens per depth) and depth D (<= block_size - 1)."""
+  """Static tree shape: method (one of ``tree.TREE_METHODS``: accum_logp | top2gap | best_nodes | chain),
+  node budget (counts the root; a chain has depth + 1 nodes whatever the budget), width W (top-W tokens per
+  depth) and depth D (<= block_size - 1)."""
   method: str = "accum_logp"
   budget: int = 16
   width: int = 7

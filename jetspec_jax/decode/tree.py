@@ -72,7 +72,7 @@ def _check_method(method: str) -> None:
 
 
 def tree_size(method: str, budget: int, depth: int) -> int:
-  """Static node count N: ``budget`` for accum_logp/top2gap, ``depth + 1`` for chain."""
+  """Static node count N: ``budget`` for accum_logp / top2gap / best_nodes, ``depth + 1`` for chain."""
   _check_method(method)
   if method == "chain":
     return depth + 1

@@ -3,63 +3,10 @@
 Node i sits at RoPE position prefix_len + depth[i], its K/V at cache row prefix_len + i (scratch),
 and attends to the committed prefix plus its ancestors (itself included).
 
-Acceptance rules
-----------------
-greedy (temperature 0, ``greedy_accept``): node i matches when token[i] is the target's argmax
-after its parent; commit the deepest fully matching path plus the argmax at its end.
-
-At temperature > 0 (``sample_accept``) p is the target's processed distribution at a node
-(temperature / top-k / top-p, ``sampling.process_logits``) and q_d the draft's processed
-distribution for depth d. Both rules walk down from the root, one depth per step (a
-``while_loop`` of at most D + 1 steps that stops at the first node where nothing is accepted,
-vmapped over the batch, float32 probabilities); only the nodes on the walked path are processed:
-
-``match`` (the reference behaviour): the tree is the deterministic top-W tree of q. At the
-  current node draw ONE token t ~ p; descend to the child whose token is t if there is one,
-  otherwise commit t as the correction. This is the same as drawing one token at every node
-  and committing the deepest path whose every token equals the draw at its parent (the draws
-  at nodes off the walked path are never used), which is lossless because every committed
-  token is a draw from p given the tokens before it. A node is accepted with probability
-  equal to the p-mass of its children's tokens.
-
-``rejection`` (recursive rejection sampling without replacement, Jeon et al. 2024): the
-  children of the current node, c_1..c_k in rank order, are the first k draws of a
-  Gumbel-top-k sample of q_{d+1} (distinct, in sampled order). With the current residual p:
-  accept c_j with probability min(1, p(c_j) / q_j(c_j)); on rejection
-  p <- normalize(max(p - q_j, 0)) and q_{j+1} = q_j with c_j removed, renormalised. After k
-  rejections (or at a node without children: k = 0) the correction is drawn from the final
-  residual p; on acceptance the walk descends to that child with the next depth's q. A chain
-  (k = 1) is the classic min(1, p/q) rule.
-
-Why ``rejection`` is lossless (every committed token has exactly the target's distribution
-given the committed tokens before it):
-
-  * One step of RRS at a node with k candidates drawn without replacement from q outputs a
-    token distributed exactly as p, for any FIXED k: step j sees c_j ~ q_j given c_1..c_{j-1}
-    (sampling without replacement), so it is a rejection step of q_j against the residual
-    p_j, and accept-or-recurse yields p_j at every level; on rejection p_{j+1}(c_j) = 0
-    (rejection needs p_j(c_j) < q_j(c_j)), so removing c_j from q loses nothing.
-  * k must not depend on the identities of the candidates being tested (otherwise the number
-    of trials is not a stopping time and the output is biased). The tree SHAPE (parents,
-    depths, child ranks) is built by the usual best-first search from q's deterministic
-    sorted top-W log-probs (``tree.build_tree(..., depth_tokens=...)``); only the token at
-    child rank r of depth d is replaced by the r-th Gumbel-top-k draw of q_d. So a node's
-    child count is a function of q and of its rank path only, never of the sampled tokens.
-  * Every parent at depth d - 1 gets the same candidate list (q_d does not depend on the
-    parent: the head drafts all depths in one pass), and one root-to-leaf walk uses each
-    depth's list at most once. The depth-d noise is independent of everything drawn at
-    depths < d, so at the node reached at depth d - 1 (whatever its rank path, hence its k)
-    the candidates are a fresh without-replacement sample of q_d: the step outputs p exactly.
-    By induction over depths (and rounds), committed tokens follow the target.
-  * The draft distributions may depend on anything except this round's candidate noise (the
-    head's do not depend on it at all). A drafter whose q_d depends on the noise of depths < d
-    (the test oracle that follows its own sampled chain) is only valid with a chain, whose
-    shape never depends on q: in a tree, q_d's values move the best-first search and so the
-    child counts at depths < d, which would then depend on the candidates tested there.
-  * Candidates past the support of q (j >= number of tokens with q > 0, possible with top-k /
-    top-p or draft logits of -inf) are skipped; the support size is a function of q only.
-  * Guard: if a residual has zero mass (p <= q everywhere, i.e. p == q up to rounding, where
-    rejection has probability zero), p is kept.
+Acceptance: greedy (``greedy_accept``: the deepest path matching the target's argmax, plus the argmax
+at its end) and, at temperature > 0, ``sample_accept`` with the ``match`` or ``rejection`` rule (a
+while_loop that walks down one depth per step, vmapped over the batch, float32). The rules and the
+proof that both are lossless are in docs/verification.md.
 """
 from __future__ import annotations
 

@@ -1,28 +1,35 @@
-"""Load an ml_collections training config from a Python file and apply ``--config.a.b=value`` overrides."""
+"""Load an ml_collections training config (a file, or a shipped one by name) and apply
+``--config.a.b=value`` overrides.
+
+The shipped configs live in the checkout's ``configs/`` and are installed as ``jetspec_jax.configs``
+(``setup.py``'s package_dir); a config file starts from ``jetspec_jax.configs.base.base_config()``.
+"""
 from __future__ import annotations
 
+import importlib.resources
 import importlib.util
 import os
-import sys
 
 import ml_collections
 
 from jetspec_jax.errors import JetSpecError
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+def shipped_configs() -> dict[str, str]:
+  """{name: file} of the shipped configs (``tiny``, ``qwen3_8b``, ...)."""
+  root = importlib.resources.files("jetspec_jax.configs")
+  return {p.name[:-3]: str(p) for p in root.iterdir()
+          if p.name.endswith(".py") and p.name not in ("__init__.py", "base.py")}
 
 
 def load_config(path: str, overrides: list[str] = ()) -> ml_collections.ConfigDict:
-  """Run ``get_config()`` of the file at ``path`` (e.g. configs/tiny.py), then apply overrides."""
+  """Run ``get_config()`` of the file at ``path`` (e.g. configs/tiny.py) or of the shipped config of that
+  name (e.g. tiny), then apply overrides."""
   if not os.path.isfile(path):
-    alt = os.path.join(REPO_ROOT, "configs", f"{path}.py")
-    if not os.path.isfile(alt):
-      raise JetSpecError(f"config file not found: {path}")
-    path = alt
-  root = os.path.dirname(os.path.dirname(os.path.abspath(path)))
-  for p in (root, REPO_ROOT):
-    if p not in sys.path:
-      sys.path.insert(0, p)
+    shipped = shipped_configs()
+    if path not in shipped:
+      raise JetSpecError(f"config file not found: {path} (shipped configs: {', '.join(sorted(shipped))})")
+    path = shipped[path]
   spec = importlib.util.spec_from_file_location(f"_jetspec_config_{abs(hash(path))}", path)
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
