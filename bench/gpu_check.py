@@ -11,13 +11,13 @@ so N = 128 is 512 FLOP/B, past an H200's ridge of ~206 FLOP/B), large trees are 
 row also gives the roofline floor max(bytes / HBM bandwidth, FLOPs / peak bf16 tensor FLOP/s), which
 bound sets it, and the kernel's fraction of that floor.
 
-Tune section (second): ``bench/kernel_tune.py``'s sweep of launch configurations; the tuning table it
+Tune section (second): ``pallas_kernels/kernel_tune.py``'s sweep of launch configurations; the tuning table it
 gives is saved as $OUT/kernel_tuning.json and made the active one for the model sections that follow
 (``--keep-tuning``: not). Phases section: each phase of a round (AR forward, verify forward, draft, tree
 build) timed alone. Decode section: ms per AR step and per speculative round on a Qwen3-8B-shaped
 random-weight model.
 Profile section: the same model's decode loops under ``jax.profiler``, summarized per round by
-``bench/trace_summary.py`` (device busy time vs span, kernels, time per named-scope phase, top kernels);
+``jetspec_jax/trace_summary.py`` (device busy time vs span, kernels, time per named-scope phase, top kernels);
 the raw traces go to $OUT/traces/<mode>.json.gz.
 
   python bench/gpu_check.py                 # on the GPU; JSON to $OUT/gpu_check.json when $OUT is set
@@ -46,8 +46,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench import kernel_tune, trace_summary
+from jetspec_jax import trace_summary
 from jetspec_jax.attention import xla_attention
+from pallas_kernels import kernel_tune
 from pallas_kernels import tuning as kernel_tuning
 from pallas_kernels.tree_attention import launch_shapes, resolve_config, tree_attention
 

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from bench import kernel_tune
+from pallas_kernels import kernel_tune
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

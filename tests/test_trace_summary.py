@@ -1,16 +1,13 @@
-"""bench/trace_summary.py: per-kernel, per-phase and busy/span summaries of a jax.profiler trace, on a
+"""jetspec_jax/trace_summary.py: per-kernel, per-phase and busy/span summaries of a jax.profiler trace, on a
 synthetic GPU-like trace with known numbers and on a real CPU trace."""
 import gzip
 import json
-import os
-import sys
 
 import jax
 import jax.numpy as jnp
 import pytest
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench import trace_summary  # noqa: E402
+from jetspec_jax import trace_summary
 
 PHASES = ("jetspec_draft", "jetspec_verify", "jetspec_accept")
 
