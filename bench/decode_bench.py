@@ -311,8 +311,8 @@ def bench_transfers(args, params, cfg, prompts):
   head_cfg = draft_head.DraftConfig.for_target(cfg, num_layers=1, block_size=args.depth + 1)
   head = draft_head.init_head(head_cfg, jax.random.key(args.seed + 1))
   tc = TreeConfig("accum_logp", args.budgets[0], args.width, args.depth)
-  cases = {"AR (Generator.decode)": {},
-           f"speculative accum_logp b={tc.budget} (Generator.decode)": dict(head_cfg=head_cfg, head_params=head, tree=tc)}
+  spec = dict(head_cfg=head_cfg, head_params=head, tree=tc)
+  cases = {"AR (Generator.decode)": {}, f"speculative accum_logp b={tc.budget} (Generator.decode)": spec}
   rows, details = [], {}
   control = guard_positive_control()
   for name, kw in cases.items():

@@ -1,4 +1,5 @@
-"""GPU check of JetSpec-JAX: speed (and the kernel's error against XLA) on the device, printed and saved as JSON.
+"""GPU check of JetSpec-JAX: speed (and the kernel's error against XLA) on the device, printed and saved as
+JSON.
 
 Kernel section: the Pallas tree-attention kernel against the XLA reference for Qwen3-8B attention
 (B=1, 32 query heads, 8 kv heads, head_dim 128, bf16), N tree nodes x prefix length. Per row:
@@ -11,14 +12,14 @@ so N = 128 is 512 FLOP/B, past an H200's ridge of ~206 FLOP/B), large trees are 
 row also gives the roofline floor max(bytes / HBM bandwidth, FLOPs / peak bf16 tensor FLOP/s), which
 bound sets it, and the kernel's fraction of that floor.
 
-Tune section (second): ``pallas_kernels/kernel_tune.py``'s sweep of launch configurations; the tuning table it
-gives is saved as $OUT/kernel_tuning.json and made the active one for the model sections that follow
-(``--keep-tuning``: not). Phases section: each phase of a round timed alone, through the functions the
-decode loops run (``verify.verify_tree``, the head's ``draft_logits``, ``tree.build_tree``). Decode section: ms per AR step and per speculative round on a Qwen3-8B-shaped
-random-weight model.
+Tune section (second): ``pallas_kernels/kernel_tune.py``'s sweep of launch configurations; the tuning
+table it gives is saved as $OUT/kernel_tuning.json and made the active one for the model sections that
+follow (``--keep-tuning``: not). Phases section: each phase of a round timed alone, through the functions
+the decode loops run (``verify.verify_tree``, the head's ``draft_logits``, ``tree.build_tree``). Decode
+section: ms per AR step and per speculative round on a Qwen3-8B-shaped random-weight model.
 Profile section: the same model's decode loops under ``jax.profiler``, summarized per round by
-``jetspec_jax/trace_summary.py`` (device busy time vs span, kernels, time per named-scope phase, top kernels);
-the raw traces go to $OUT/traces/<mode>.json.gz.
+``jetspec_jax/trace_summary.py`` (device busy time vs span, kernels, time per named-scope phase, top
+kernels); the raw traces go to $OUT/traces/<mode>.json.gz.
 
   python bench/gpu_check.py                 # on the GPU; JSON to $OUT/gpu_check.json when $OUT is set
   python bench/gpu_check.py --smoke         # on CPU: tiny shapes, kernel in interpret mode
@@ -296,8 +297,9 @@ def phase_section(model: DecodeModel, *, budgets: tuple[int, ...], attn_impl: st
 
   ar_forward: ``verify.verify_tree`` on a one-node tree, the same target forward as an AR step's;
   verify_b<N>: ``verify.verify_tree`` on an N-node random tree plus the argmax of its logits (the issue's
-  "verify round", goal <= 1.2x ar_forward at N = 128); draft: the head's block forward and per-depth logits; tree_heap_b<N> / tree_best_b<N>: the
-  accum_logp search (a loop) / the best_nodes selection (no loop) from random per-depth logits, width 7.
+  "verify round", goal <= 1.2x ar_forward at N = 128); draft: the head's block forward and per-depth
+  logits; tree_heap_b<N> / tree_best_b<N>: the accum_logp search (a loop) / the best_nodes selection (no
+  loop) from random per-depth logits, width 7.
   ``ratio_to_ar_forward`` compares each with ar_forward."""
   from jetspec_jax.decode.tree import Tree, build_tree
   from jetspec_jax.decode.verify import verify_tree
@@ -485,8 +487,9 @@ def main(argv: list[str] | None = None) -> int:
         f"bf16 peak {'unknown' if flops_peak is None else f'{flops_peak / 1e12:.0f} TFLOP/s'}")
   print(f"\nkernel vs XLA, {shape}, tuning table {json.dumps(table)}, overrides {overrides}:")
   print(bench.format_table(rows))
-  print(f"\nkernel rows measured: {sum('rel_err' in r for r in rows)}/{len(rows)}, worst relative error vs XLA "
-        f"{max((r['rel_err'] for r in rows if 'rel_err' in r), default=None)}")
+  worst = max((r["rel_err"] for r in rows if "rel_err" in r), default=None)
+  print(f"\nkernel rows measured: {sum('rel_err' in r for r in rows)}/{len(rows)}, worst relative error vs XLA: "
+        f"{bench.fmt(worst)}")
 
   report = dict(device_kind=device.device_kind, platform=device.platform, jax_version=jax.__version__,
                 hbm_bytes_per_s=hbm, dense_bf16_flops=flops_peak, smoke=args.smoke, iters=args.iters, reps=args.reps,

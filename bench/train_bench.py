@@ -43,7 +43,8 @@ def main(argv=None) -> int:
 
   c = load_config(args.config, [o for o in overrides if o.startswith("--config.")])
   if not c.target:                                   # synthetic world: tokenizer, random target, chat data
-    spec = importlib.util.spec_from_file_location("trainer_world", Path(__file__).parents[1] / "tests" / "trainer_world.py")
+    world_py = Path(__file__).parents[1] / "tests" / "trainer_world.py"
+    spec = importlib.util.spec_from_file_location("trainer_world", world_py)
     trainer_world = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(trainer_world)
     world = trainer_world.build(tempfile.mkdtemp(prefix="train_bench_"), hidden=64)
