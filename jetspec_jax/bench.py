@@ -111,22 +111,14 @@ def time_mode(run_batch, prompts, batch_size: int, repeats: int) -> dict:
   """Compile + warm (first batch, excluded), then ``repeats`` timed passes over all batches;
   ``run_batch`` maps a list of prompts to a ``GenerationResult``."""
   batches = _batches(prompts, batch_size)
-  t0 = time.perf_counter()
-  run_batch(batches[0])
-  first = time.perf_counter() - t0
+  first = timed(lambda: run_batch(batches[0]))[1]
   passes, outs = [], []
   for _ in range(repeats):
-    tokens, elapsed, outs = 0, 0.0, []
-    for b in batches:
-      t0 = time.perf_counter()
-      out = run_batch(b)
-      elapsed += time.perf_counter() - t0
-      tokens += int(np.sum(out.num_tokens))
-      outs.append(out)
-    passes.append(tokens / elapsed)
+    outs, seconds = zip(*(timed(lambda: run_batch(b)) for b in batches))
+    passes.append(sum(int(np.sum(o.num_tokens)) for o in outs) / sum(seconds))
   warm_batch = min(o.prefill_s + o.decode_s for o in outs[:1]) if outs else 0.0
   return {"tokens_per_s": statistics.median(passes), "tokens_per_s_passes": passes,
-          "compile_s": max(first - warm_batch, 0.0), "outputs": outs}
+          "compile_s": max(first - warm_batch, 0.0), "outputs": list(outs)}
 
 
 def run(target_params, cfg, head_params, head_cfg, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
@@ -187,11 +179,8 @@ def transformers_baseline(hf_dir: str, prompts, max_new_tokens: int, repeats: in
     return out.shape[1] - len(p)
 
   one(prompts[0])
-  passes = []
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    tokens = sum(one(p) for p in prompts)
-    passes.append(tokens / (time.perf_counter() - t0))
+  runs = [timed(lambda: sum(one(p) for p in prompts)) for _ in range(repeats)]
+  passes = [tokens / seconds for tokens, seconds in runs]
   return {"tokens_per_s": statistics.median(passes), "tokens_per_s_passes": passes}
 
 
