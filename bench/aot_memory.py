@@ -28,9 +28,7 @@ import dataclasses
 import os
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run as a script from anywhere
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
@@ -40,7 +38,7 @@ import ml_collections  # noqa: E402
 import optax  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
-from bench.common import hlo_dot_flops, machine_info, table, write_json  # noqa: E402
+from jetspec_jax.bench import format_table, hlo_dot_flops, machine_info, save_results  # noqa: E402
 from jetspec_jax.config import Qwen3Config, parse_dtype  # noqa: E402
 from jetspec_jax.decode import speculative  # noqa: E402
 from jetspec_jax.decode.loop import DecodeState  # noqa: E402
@@ -253,15 +251,15 @@ def main(argv: list[str] | None = None) -> int:
       row["fits"] = row["peak_gb"] <= args.budget_gb - args.headroom_gb
       rows.append(row)
       details[f"{name}/{kind}"] = info
-      print(table(rows[-1:]), flush=True)
+      print(format_table(rows[-1:]), flush=True)
   print()
-  print(table(rows))
+  print(format_table(rows))
   result = {"benchmark": NAME, "args": vars(args), "machine": machine_info(), "rows": rows, "details": details,
             "notes": ["per-device numbers of the SPMD program; peak_gb = args + out - alias + temp",
                       "XLA:CPU fusion and scheduling differ from XLA:GPU: temporaries are an estimate",
                       "xla_tflop counts every while body once; hlo_tflop counts loop bodies x trip count",
                       "decode rows are one round of the data-dependent while loop"]}
-  for path in write_json(result, args.out, NAME):
+  for path in save_results(result, args.out, NAME):
     print(f"wrote {path}")
   return 0 if all(r["fits"] for r in rows) else 1
 

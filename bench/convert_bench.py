@@ -15,7 +15,8 @@ heads, head_dim 128, MLP 9728, vocab 151936, tied embeddings, random bf16: 4.02e
 Each stage runs in its own subprocess, so its peak resident memory is its own: the parent reads
 the child's ``ru_maxrss`` from ``os.wait4`` and polls ``/proc/<pid>/status`` (RssAnon = heap,
 RssFile = file pages mapped, e.g. safetensors mmaps), and the child itself records per-phase
-peaks (convert: load / orbax save; export: orbax restore / safetensors write). Peak RSS is
+peaks at the phases ``convert_hf`` / ``export_hf`` report through their ``on_phase`` hook (convert:
+load / orbax_save / after_save; export: restore / safetensors_write / after_write). Peak RSS is
 reported as a multiple of the model's bytes (goal: <= 1.3x). The reads come from the page cache
 when the files were just written and RAM allows it (the usual case here), so GB/s is not disk
 bound; the page cache is not counted in RSS.
@@ -40,9 +41,7 @@ import time
 import zlib
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run as a script from anywhere
-
-from bench import common   # noqa: E402
+from jetspec_jax import bench
 
 GB = 1e9
 GOAL_RSS_MULTIPLE = 1.3
@@ -175,63 +174,45 @@ class PhaseSampler:
         self._sample()
 
 
-def _wrap_with_phase(module, attr: str, sampler: PhaseSampler, before: str, after: str):
-  """Replace ``module.attr`` by a wrapper that switches the sampler's phase around each call
-  (the benchmark's instrumentation; the library itself is unchanged)."""
-  fn = getattr(module, attr)
-
-  def wrapper(*args, **kwargs):
-    sampler.phase(before)
-    try:
-      return fn(*args, **kwargs)
-    finally:
-      sampler.phase(after)
-
-  setattr(module, attr, wrapper)
-
-
 # ----------------------------------------------------------------------------------------------
 # Stages (each runs in a child process: ``--stage NAME``).
+
+def sampled(run, key: str = "info") -> dict:
+  """``run(phase)`` timed, with a ``PhaseSampler`` whose ``phase`` it is handed: the write stage names its
+  one phase itself, convert_hf / export_hf take it as their ``on_phase`` hook."""
+  with PhaseSampler() as sampler:
+    t0 = time.perf_counter()
+    out = run(sampler.phase)
+    seconds = time.perf_counter() - t0
+    sampler.phase("end")
+  return {"seconds": seconds, key: out, "phases": sampler.peaks, "phase_start_s": sampler.times}
+
 
 def stage_write(args) -> dict:
   import jax.numpy as jnp
   from jetspec_jax import convert
   cfg = make_config(args.model, args.num_layers)
   params = LazyParams.for_config(cfg, args.seed)
-  with PhaseSampler() as sampler:
-    sampler.phase("write")
-    t0 = time.perf_counter()
+
+  def write(phase):
+    phase("write")
     with convert.atomic_directory(args.hf_dir, overwrite=True) as tmp:
       files = convert.write_safetensors(tmp, convert.target_mappings(cfg), params, shard_bytes=args.src_shard_bytes)
       with open(os.path.join(tmp, "config.json"), "w") as f:
         json.dump(cfg.to_hf_dict(str(jnp.dtype(jnp.bfloat16))), f, indent=2)
-    seconds = time.perf_counter() - t0
-    sampler.phase("end")
-  return {"seconds": seconds, "files": files, "phases": sampler.peaks, "phase_start_s": sampler.times}
+    return files
+  return sampled(write, key="files")
 
 
 def stage_convert(args) -> dict:
   from jetspec_jax import convert
-  with PhaseSampler() as sampler:
-    _wrap_with_phase(convert, "save_params", sampler, "orbax_save", "after_save")
-    sampler.phase("load")           # convert_hf: read safetensors + place every weight
-    t0 = time.perf_counter()
-    info = convert.convert_hf(args.hf_dir, args.ckpt_dir, overwrite=True)
-    seconds = time.perf_counter() - t0
-    sampler.phase("end")
-  return {"seconds": seconds, "info": info, "phases": sampler.peaks, "phase_start_s": sampler.times}
+  return sampled(lambda phase: convert.convert_hf(args.hf_dir, args.ckpt_dir, overwrite=True, on_phase=phase))
 
 
 def stage_export(args) -> dict:
   from jetspec_jax import convert
-  with PhaseSampler() as sampler:
-    _wrap_with_phase(convert, "write_safetensors", sampler, "safetensors_write", "after_write")
-    sampler.phase("restore")        # export_hf: orbax restore of every weight
-    t0 = time.perf_counter()
-    info = convert.export_hf(args.ckpt_dir, args.export_dir, shard_bytes=args.out_shard_bytes, overwrite=True)
-    seconds = time.perf_counter() - t0
-    sampler.phase("end")
-  return {"seconds": seconds, "info": info, "phases": sampler.peaks, "phase_start_s": sampler.times}
+  return sampled(lambda phase: convert.export_hf(args.ckpt_dir, args.export_dir, shard_bytes=args.out_shard_bytes,
+                                                 overwrite=True, on_phase=phase))
 
 
 def stage_verify(args) -> dict:
@@ -346,8 +327,7 @@ def main(argv=None) -> int:
     res = STAGES[args.stage](args)
     import resource
     res["self_ru_maxrss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    with open(args.result, "w") as f:
-      json.dump(res, f)
+    bench.write_json(args.result, res)
     return 0
 
   from jetspec_jax.convert import DEFAULT_SHARD_BYTES
@@ -405,14 +385,14 @@ def main(argv=None) -> int:
       "src_shard_bytes": args.src_shard_bytes, "out_shard_bytes": args.out_shard_bytes,
       "bit_exact": stages["verify"]["bit_exact"], "goal_rss_multiple": GOAL_RSS_MULTIPLE,
       "stages": stages, "sizes": sizes, "table": rows, "kept": args.keep, "workdir": work if args.keep else None,
-      "machine": common.machine_info(),
+      "machine": bench.machine_info(),
   }
   print()
-  print(common.table(rows))
+  print(bench.format_table(rows))
   print(f"\nround trip bit-exact: {result['bit_exact']} ({stages['verify']['tensors_compared']} tensors); "
         f"sizes: HF {sizes['hf_bytes'] / GB:.2f} GB, orbax {sizes['orbax_bytes'] / GB:.2f} GB, "
         f"export {sizes['export_bytes'] / GB:.2f} GB")
-  for path in common.write_json(result, args.out, "convert_bench"):
+  for path in bench.save_results(result, args.out, "convert_bench"):
     print(f"wrote {path}")
   return 0 if result["bit_exact"] else 1
 

@@ -22,13 +22,14 @@ batched runs need no padding); EOS is disabled, so every run generates exactly
     tau = committed tokens per round (prefill token excluded); speedup = AR time / time.
     The output must equal AR's for every row (greedy speculative decoding is lossless).
 (c) Device->host transfers: the decode call (``ar_decode`` / ``spec_decode``, the whole
-    while loop) runs under ``jax.transfer_guard_device_to_host("disallow")``, only the final
-    result fetch outside it; transfers per token = arrays fetched / tokens generated. On
+    while loop) runs under ``jax.transfer_guard_device_to_host("disallow")`` (the Generator's
+    ``transfer_guard`` option), only the final result fetch outside it (counted by its ``on_fetch``
+    hook); transfers per token = arrays fetched / tokens generated. On
     CPU the guard cannot see anything (XLA:CPU -> NumPy is zero-copy and never trips it,
     jax-ml/jax#16602; the positive control reports this), so the compiled loop is also
     scanned for host callbacks, infeed/outfeed and send/recv: none means no transfer inside.
 
-  python bench/decode_bench.py --quick         # ~1-2 minutes
+  python bench/decode_bench.py --quick         # ~1-2 minutes (from a checkout, package installed)
   python bench/decode_bench.py                 # 4 prompts x 128 new tokens, 5 repeats
 
 JSON goes to --out (default bench/results/decode_bench.json) and $OUT/decode_bench.json.
@@ -36,17 +37,12 @@ JSON goes to --out (default bench/results/decode_bench.json) and $OUT/decode_ben
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
-import re
 import sys
 import tempfile
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run as a script from anywhere
-
-from bench import common   # noqa: E402
+from jetspec_jax import bench
 
 GOAL_AR_SPEEDUP = 2.0
 
@@ -158,11 +154,11 @@ def interleaved(runners: dict, repeats: int):
   turn. Returns {name: {"warmup_s", "times", "result" (last)}}."""
   out = {}
   for name, fn in runners.items():
-    res, dt = common.timed(fn)
+    res, dt = bench.timed(fn)
     out[name] = {"warmup_s": dt, "times": [], "result": res}
   for _ in range(repeats):
     for name, fn in runners.items():
-      res, dt = common.timed(fn)
+      res, dt = bench.timed(fn)
       out[name]["times"].append(dt)
       out[name]["result"] = res
   return out
@@ -192,7 +188,7 @@ def bench_ar(args, model, params, cfg, prompts):
   n_tok = len(prompts) * m
   rows = []
   for name, r in runs.items():
-    med = common.median(r["times"])
+    med = bench.median(r["times"])
     rows.append({"run": name, "batch": 1 if "B=1" in name else len(prompts), "tokens": n_tok,
                  "warm-up s (excl.)": r["warmup_s"], "median s": med, "min s": min(r["times"]),
                  "tokens/s": n_tok / med})
@@ -230,7 +226,6 @@ def spec_variants(args):
 def bench_spec(args, params, cfg, prompts, ar_tokens):
   import jax
   import jax.numpy as jnp
-  from jetspec_jax.bench import acceptance
   from jetspec_jax.decode.generation import Generator
   from jetspec_jax.models import draft_head
   m, depth = args.max_new_tokens, args.depth
@@ -249,7 +244,7 @@ def bench_spec(args, params, cfg, prompts, ar_tokens):
       res = [Generator(cfg, params, head_cfg=head_cfg, head_params=oracle_heads[i] if oracle else head, tree=tree_cfg,
                        eos_ids=(), **({"drafter": oracle_drafter} if oracle else {})).generate([pr], m)
              for i, pr in enumerate(prompts)]
-      return {"tokens": [r.tokens[0] for r in res], **acceptance(res), "num_nodes": tree_cfg.num_nodes()}
+      return {"tokens": [r.tokens[0] for r in res], **bench.acceptance(res), "num_nodes": tree_cfg.num_nodes()}
     return run
 
   runners = {("AR", "-"): ar_run}
@@ -258,10 +253,10 @@ def bench_spec(args, params, cfg, prompts, ar_tokens):
     runners[(tname, "oracle")] = spec_run(tc, True)
   runs = interleaved(runners, args.repeats)
   n_tok = len(prompts) * m
-  ar_med = common.median(runs[("AR", "-")]["times"])
+  ar_med = bench.median(runs[("AR", "-")]["times"])
   rows = []
   for (tname, drafter), r in runs.items():
-    med, res = common.median(r["times"]), r["result"]
+    med, res = bench.median(r["times"]), r["result"]
     row = {"tree": tname, "drafter": drafter, "nodes": res.get("num_nodes", 1),
            "warm-up s (excl.)": r["warmup_s"], "median s": med, "min s": min(r["times"]), "tokens/s": n_tok / med,
            "speedup vs AR": ar_med / med, "rounds": res.get("rounds", n_tok - len(prompts)),
@@ -278,57 +273,6 @@ def bench_spec(args, params, cfg, prompts, ar_tokens):
 
 # ----------------------------------------------------------------------------------------------
 # (c) Device -> host transfers.
-
-HOST_OPS = re.compile(r"\b(outfeed|infeed|send|recv|send-done|recv-done)\(|callback", re.IGNORECASE)
-
-
-def _host_ops(compiled_text: str) -> dict:
-  targets = sorted(set(re.findall(r'custom_call_target="([^"]+)"', compiled_text)))
-  hits = sorted({m.group(0) for m in HOST_OPS.finditer(compiled_text)})
-  return {"custom_call_targets": targets, "host_ops_found": hits}
-
-
-@contextlib.contextmanager
-def guarded(module, attr: str, record: dict):
-  """Replace ``module.attr`` (a jitted decode function) for the duration: each call is lowered
-  and compiled (for the HLO scan), then runs under transfer_guard_device_to_host("disallow")
-  and is blocked on inside the guard."""
-  import jax
-  orig = getattr(module, attr)
-
-  def wrapper(*args, **kwargs):
-    record["hlo"] = _host_ops(orig.lower(*args, **kwargs).compile().as_text())
-    with jax.transfer_guard_device_to_host("disallow"):
-      out = orig(*args, **kwargs)
-      jax.block_until_ready(out)
-    record["decode_calls"] = record.get("decode_calls", 0) + 1
-    return out
-
-  setattr(module, attr, wrapper)
-  try:
-    yield
-  finally:
-    setattr(module, attr, orig)
-
-
-@contextlib.contextmanager
-def count_fetches(record: dict):
-  """Count the jax arrays passed to jax.device_get (the final result fetch of generate_*)."""
-  import jax
-  orig = jax.device_get
-
-  def wrapper(x):
-    record["fetched_arrays"] = record.get("fetched_arrays", 0) + sum(
-        isinstance(leaf, jax.Array) for leaf in jax.tree_util.tree_leaves(x))
-    record["device_get_calls"] = record.get("device_get_calls", 0) + 1
-    return orig(x)
-
-  jax.device_get = wrapper
-  try:
-    yield
-  finally:
-    jax.device_get = orig
-
 
 def guard_positive_control() -> dict:
   """Positive controls: does the guard fire for an implicit device->host transfer on this backend,
@@ -350,15 +294,16 @@ def guard_positive_control() -> dict:
       jax.debug.callback(lambda t: None, c[1])
       return c[0] + 1, c[1] * 2
     return jax.lax.while_loop(lambda c: c[0] < 3, body, (0, v))
-  scan = _host_ops(jax.jit(loop_with_callback).lower(x).compile().as_text())
+  scan = bench.host_ops(jax.jit(loop_with_callback).lower(x).compile().as_text())
   out["hlo_scan_finds_callback_in_loop"] = bool(scan["host_ops_found"])
   out["callback_scan"] = scan
   return out
 
 
 def bench_transfers(args, params, cfg, prompts):
+  """Each decode runs under the Generator's transfer guard ("disallow"); its ``on_fetch`` hook counts the
+  final fetch, and the program ``decode`` runs (``lower_decode``) is scanned for host operations."""
   import jax
-  from jetspec_jax.decode import loop, speculative
   from jetspec_jax.decode.generation import Generator
   from jetspec_jax.decode.speculative import TreeConfig
   from jetspec_jax.models import draft_head
@@ -366,31 +311,28 @@ def bench_transfers(args, params, cfg, prompts):
   head_cfg = draft_head.DraftConfig.for_target(cfg, num_layers=1, block_size=args.depth + 1)
   head = draft_head.init_head(head_cfg, jax.random.key(args.seed + 1))
   tc = TreeConfig("accum_logp", args.budgets[0], args.width, args.depth)
-  spec = Generator(cfg, params, head_cfg=head_cfg, head_params=head, tree=tc, eos_ids=())
-  cases = {"AR (Generator.decode)": (loop, "ar_decode",
-                                     lambda: Generator(cfg, params, eos_ids=()).generate(prompts[:1], m)),
-           f"speculative accum_logp b={tc.budget} (Generator.decode)": (
-               speculative, "spec_decode", lambda: spec.generate(prompts[:1], m))}
+  spec = dict(head_cfg=head_cfg, head_params=head, tree=tc)
+  cases = {"AR (Generator.decode)": {}, f"speculative accum_logp b={tc.budget} (Generator.decode)": spec}
   rows, details = [], {}
   control = guard_positive_control()
-  for name, (module, attr, fn) in cases.items():
-    rec, fetch, res = {}, {}, None
-    error = None
+  for name, kw in cases.items():
+    fetches, res, error = [], None, None
+    gen = Generator(cfg, params, eos_ids=(), transfer_guard="disallow", on_fetch=fetches.append, **kw)
+    hlo = bench.host_ops(gen.lower_decode(gen.prefill(prompts[:1], m)).compile().as_text())
     try:
-      with guarded(module, attr, rec), count_fetches(fetch):
-        res = fn()
+      res = gen.generate(prompts[:1], m)
       n_tok = len(res.tokens[0])
     except Exception as e:                                # noqa: BLE001: a guard violation is a result
       error, n_tok = f"{type(e).__name__}: {str(e)[:300]}", m
     steps = None if res is None else int(res.rounds.sum()) if res.depth_histogram is not None else res.target_forwards - 1
+    fetched = sum(len(f) for f in fetches)
     rows.append({"decode": name, "tokens": n_tok, "loop iterations": steps,
                  "guard 'disallow' raised": bool(error), "guard effective here": control["guard_effective"],
-                 "host ops in compiled loop": len(rec.get("hlo", {}).get("host_ops_found", [])),
-                 "final fetch: arrays": fetch.get("fetched_arrays"), "device_get calls": fetch.get("device_get_calls"),
-                 "transfers / token": (fetch.get("fetched_arrays", 0) / n_tok) if not error else None})
-    details[name] = {"error": error, **rec, **fetch}
-  return {"rows": rows, "details": details, "positive_control": control,
-          "decode_calls_guarded": {k: v.get("decode_calls") for k, v in details.items()}}
+                 "host ops in compiled loop": len(hlo["host_ops_found"]),
+                 "final fetch: arrays": fetched, "fetches": len(fetches),
+                 "transfers / token": fetched / n_tok if not error else None})
+    details[name] = {"error": error, "hlo": hlo, "fetched_arrays": fetched, "fetches": len(fetches)}
+  return {"rows": rows, "details": details, "positive_control": control}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -423,7 +365,7 @@ def main(argv=None) -> int:
   if "ar" not in args.skip:
     print("\n(a) jitted AR loop vs transformers generate (end to end, prefill included)", flush=True)
     ar = bench_ar(args, model, params, cfg, prompts)
-    print(common.table(ar["rows"]))
+    print(bench.format_table(ar["rows"]))
     print("agreement:", ar["agreement"])
     result["ar_vs_transformers"] = ar
     ar_tokens = ar["tokens"]
@@ -435,14 +377,14 @@ def main(argv=None) -> int:
     print(f"\n(b) speculative decoding, B=1 per prompt, depth D={args.depth}, width W={args.width}; "
           f"random head = worst case, oracle = best case (not a real drafter)", flush=True)
     spec = bench_spec(args, params, cfg, prompts, ar_tokens)
-    print(common.table(spec["rows"]))
+    print(bench.format_table(spec["rows"]))
     result["speculative"] = spec
     ok &= all(r["output == AR"] for r in spec["rows"])
 
   if "transfers" not in args.skip:
     print("\n(c) device->host transfers during decoding", flush=True)
     tr = bench_transfers(args, params, cfg, prompts)
-    print(common.table(tr["rows"]))
+    print(bench.format_table(tr["rows"]))
     print("guard positive control:", tr["positive_control"])
     for name, d in tr["details"].items():
       print(f"  {name}: custom calls in the compiled loop {d.get('hlo', {}).get('custom_call_targets')}, "
@@ -451,8 +393,8 @@ def main(argv=None) -> int:
     ok &= all(d["error"] is None for d in tr["details"].values())
 
   result["total_s"] = time.perf_counter() - t_start
-  result["machine"] = common.machine_info()
-  for path in common.write_json(result, args.out, "decode_bench"):
+  result["machine"] = bench.machine_info()
+  for path in bench.save_results(result, args.out, "decode_bench"):
     print(f"wrote {path}")
   return 0 if ok else 1
 

@@ -23,19 +23,16 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run as a script from anywhere
+import jax
+import jax.numpy as jnp
+from flax import nnx
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-from flax import nnx  # noqa: E402
-
-from bench.common import hlo_dot_flops, largest_array, machine_info, median, table, timed, write_json  # noqa: E402
-from jetspec_jax.config import Qwen3Config  # noqa: E402
-from jetspec_jax.models import moe  # noqa: E402
-from jetspec_jax.models.layers import swiglu  # noqa: E402
-from jetspec_jax.models.params import flat_params  # noqa: E402
+from jetspec_jax.bench import format_table, hlo_dot_flops, largest_array, machine_info, median, save_results, timed
+from jetspec_jax.config import Qwen3Config
+from jetspec_jax.models import moe
+from jetspec_jax.models.layers import swiglu
+from jetspec_jax.models.params import flat_params
 
 NAME = "moe_bench"
 def config(hidden: int, intermediate: int, experts: int, top_k: int) -> Qwen3Config:
@@ -123,11 +120,11 @@ def main(argv: list[str] | None = None) -> int:
   rows = []
   for m in (int(t) for t in args.tokens.split(",")):
     rows.append(measure(cfg, params, m, dtype, args.repeats, not args.no_ragged))
-    print(table(rows[-1:], columns), flush=True)
+    print(format_table(rows[-1:], columns), flush=True)
   print()
-  print(table(rows, columns))
+  print(format_table(rows, columns))
   result = {"benchmark": NAME, "args": vars(args), "machine": machine_info(), "rows": rows}
-  for path in write_json(result, args.out, NAME):
+  for path in save_results(result, args.out, NAME):
     print(f"wrote {path}")
   return 0
 

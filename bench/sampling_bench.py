@@ -22,19 +22,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run as a script from anywhere
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench.common import machine_info, median, table, write_json  # noqa: E402
-from jetspec_jax.bench import acceptance  # noqa: E402
-from jetspec_jax.config import Qwen3Config  # noqa: E402
-from jetspec_jax.decode.generation import Generator, SamplingConfig  # noqa: E402
-from jetspec_jax.decode.speculative import TreeConfig  # noqa: E402
+from jetspec_jax.bench import acceptance, format_table, machine_info, median, save_results
+from jetspec_jax.config import Qwen3Config
+from jetspec_jax.decode.generation import Generator, SamplingConfig
+from jetspec_jax.decode.speculative import TreeConfig
 from jetspec_jax.decode.tree import TREE_METHODS
 from jetspec_jax.errors import JetSpecError
 from jetspec_jax.models import draft_head, qwen3
@@ -132,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     ar = measure(Generator(cfg, params, sampling_cfg=sampled("rejection"), eos_ids=()), prompts, m, args.repeats)
     rows.append({"temperature": temp, "budget": None, "accept": "AR", "tau": 1.0, "acc_d1": None,
                  "tokens_per_s": ar["tokens_per_s"], "speedup": 1.0, "seconds": ar["seconds"]})
-    print(table(rows[-1:]), flush=True)
+    print(format_table(rows[-1:]), flush=True)
     for budget in budgets:
       tree = TreeConfig(args.tree, budget, args.width, depth)
       for accept in ("match", "rejection"):
@@ -145,17 +141,17 @@ def main(argv: list[str] | None = None) -> int:
                      "speedup": res["tokens_per_s"] / ar["tokens_per_s"], "seconds": res["seconds"],
                      "acceptance_by_depth": acc, "rounds": res["rounds"],
                      "tree": dataclasses.asdict(tree) | {"num_nodes": tree.num_nodes()}})
-        print(table(rows[-1:], columns=list(rows[0].keys())), flush=True)
+        print(format_table(rows[-1:], columns=list(rows[0].keys())), flush=True)
 
   columns = ["temperature", "budget", "accept", "tau", "acc_d1", "tokens_per_s", "speedup", "seconds"]
   print()
   print(f"JetSpec sampling: match vs rejection ({label})")
-  print(table(rows, columns))
+  print(format_table(rows, columns))
   result = {"benchmark": NAME, "models": label, "random_models": not args.head,
             "note": ("random untrained head: tau is not representative of a trained head" if not args.head
                      else ""),
             "args": vars(args), "machine": machine_info(), "rows": rows}
-  for path in write_json(result, args.out, NAME):
+  for path in save_results(result, args.out, NAME):
     print(f"wrote {path}")
   return 0
 

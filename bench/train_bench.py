@@ -7,19 +7,18 @@ the same script reports MFU on a GPU (pass --peak-tflops, or it is looked up for
 
 Timing: the first step (compile) is excluded and reported; the median of --repeats windows of
 --steps steps each is reported. Prints a table and writes JSON (--out, and $OUT/train_bench.json).
+The synthetic world is the test suite's (tests/trainer_world.py of this checkout).
 """
 from __future__ import annotations
 
 import argparse
-import json
-import os
+import importlib.util
 import resource
 import statistics
 import sys
 import tempfile
 import time
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+from pathlib import Path
 
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0}   # dense bf16
 
@@ -30,10 +29,11 @@ def main(argv=None) -> int:
   p.add_argument("--steps", type=int, default=10, help="steps per timed window")
   p.add_argument("--repeats", type=int, default=3)
   p.add_argument("--peak-tflops", type=float, default=None)
-  p.add_argument("--out", default="bench/results/train_bench.json")
+  p.add_argument("--out", default=None, help="JSON path (default bench/results/train_bench.json)")
   args, overrides = p.parse_known_args(argv)
   import jax
   import numpy as np
+  from jetspec_jax import bench
   from jax.sharding import NamedSharding, PartitionSpec as P
   from jetspec_jax import convert
   from jetspec_jax.config import parse_dtype
@@ -43,7 +43,10 @@ def main(argv=None) -> int:
 
   c = load_config(args.config, [o for o in overrides if o.startswith("--config.")])
   if not c.target:                                   # synthetic world: tokenizer, random target, chat data
-    import trainer_world
+    world_py = Path(__file__).parents[1] / "tests" / "trainer_world.py"
+    spec = importlib.util.spec_from_file_location("trainer_world", world_py)
+    trainer_world = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(trainer_world)
     world = trainer_world.build(tempfile.mkdtemp(prefix="train_bench_"), hidden=64)
     c.target, c.data.path = world["target"], world["data"]
     if not any(o.startswith("--config.data.seq_len") for o in overrides):
@@ -103,12 +106,10 @@ def main(argv=None) -> int:
          "mfu": flops / step_s / 1e12 / (peak * jax.device_count()) if flops and peak else None,
          "step_temp_gb": temp_gb, "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 ** 2,
          "final_loss": float(np.asarray(m["loss"]))}
-  for k, v in res.items():
-    print(f"{k:<26} {v:.4g}" if isinstance(v, float) else f"{k:<26} {v}")
-  os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-  for path in [args.out] + ([os.path.join(os.environ["OUT"], "train_bench.json")] if os.environ.get("OUT") else []):
-    with open(path, "w") as f:
-      json.dump(res, f, indent=2)
+  print(bench.format_table([{"metric": k, "value": v} for k, v in res.items()]))
+  res["machine"] = bench.machine_info()
+  for path in bench.save_results(res, args.out, "train_bench"):
+    print(f"wrote {path}")
   return 0
 
 

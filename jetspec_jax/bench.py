@@ -1,19 +1,32 @@
-"""Benchmark harness: prompt banks, honest timing, acceptance (tau), tables, JSON and plots.
+"""The benchmark library, shared by ``jetspec-jax bench`` and the scripts under bench/: prompt banks,
+the decode modes and their honest timing, acceptance (tau), machine info, one table formatter, one
+JSON writer, plots, and FLOP / array / host-op counts read from compiled HLO text.
 
-One run measures, on the same prompts and weights: the jitted AR loop, the chain (DFlash linear
+``run`` measures, on the same prompts and weights: the jitted AR loop, the chain (DFlash linear
 block) and JetSpec trees over a sweep of budgets, optionally `transformers` greedy generation.
 Timing: every mode is compiled and run once first (reported as ``compile_s``, excluded), then
 timed over ``repeats`` passes of all prompts; tokens/s is the median pass. Prompts are
 left-truncated to one length (those shorter are skipped) so each mode compiles once.
+
+Every script prints plain-text tables (``format_table``) and writes one JSON document
+(``save_results``: to ``--out``, default bench/results/<name>.json under the working directory, and to
+``$OUT/<name>.json`` when the ``OUT`` environment variable names a directory, as the device runner sets it).
 """
 from __future__ import annotations
 
+import datetime
 import gzip
 import json
+import math
 import os
+import platform
+import re
 import statistics
+import sys
+import tempfile
 import time
-from typing import Sequence
+from pathlib import Path
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -98,22 +111,14 @@ def time_mode(run_batch, prompts, batch_size: int, repeats: int) -> dict:
   """Compile + warm (first batch, excluded), then ``repeats`` timed passes over all batches;
   ``run_batch`` maps a list of prompts to a ``GenerationResult``."""
   batches = _batches(prompts, batch_size)
-  t0 = time.perf_counter()
-  run_batch(batches[0])
-  first = time.perf_counter() - t0
+  first = timed(lambda: run_batch(batches[0]))[1]
   passes, outs = [], []
   for _ in range(repeats):
-    tokens, elapsed, outs = 0, 0.0, []
-    for b in batches:
-      t0 = time.perf_counter()
-      out = run_batch(b)
-      elapsed += time.perf_counter() - t0
-      tokens += int(np.sum(out.num_tokens))
-      outs.append(out)
-    passes.append(tokens / elapsed)
+    outs, seconds = zip(*(timed(lambda: run_batch(b)) for b in batches))
+    passes.append(sum(int(np.sum(o.num_tokens)) for o in outs) / sum(seconds))
   warm_batch = min(o.prefill_s + o.decode_s for o in outs[:1]) if outs else 0.0
   return {"tokens_per_s": statistics.median(passes), "tokens_per_s_passes": passes,
-          "compile_s": max(first - warm_batch, 0.0), "outputs": outs}
+          "compile_s": max(first - warm_batch, 0.0), "outputs": list(outs)}
 
 
 def run(target_params, cfg, head_params, head_cfg, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
@@ -174,25 +179,22 @@ def transformers_baseline(hf_dir: str, prompts, max_new_tokens: int, repeats: in
     return out.shape[1] - len(p)
 
   one(prompts[0])
-  passes = []
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    tokens = sum(one(p) for p in prompts)
-    passes.append(tokens / (time.perf_counter() - t0))
+  runs = [timed(lambda: sum(one(p) for p in prompts)) for _ in range(repeats)]
+  passes = [tokens / seconds for tokens, seconds in runs]
   return {"tokens_per_s": statistics.median(passes), "tokens_per_s_passes": passes}
 
 
 def table(result: dict) -> str:
-  rows = [f"{'mode':<10} {'nodes':>5} {'tau':>6} {'tok/s':>9} {'speedup':>8} {'compile s':>9}  == AR"]
-  for name, m in result["modes"].items():
-    rows.append(f"{name:<10} {m.get('num_nodes', 1):>5} {m['tau']:>6.2f} {m['tokens_per_s']:>9.1f} "
-                f"{m['speedup_vs_ar']:>7.2f}x {m['compile_s']:>9.1f}  {m.get('equals_ar', '-')}")
+  """The modes of a ``run`` result (and the transformers baseline) as one ``format_table``."""
+  rows = [{"mode": name, "nodes": m.get("num_nodes", 1), "tau": m["tau"], "tok/s": m["tokens_per_s"],
+           "speedup": m["speedup_vs_ar"], "compile s": m["compile_s"], "== AR": m.get("equals_ar")}
+          for name, m in result["modes"].items()]
   if "transformers" in result:
-    rows.append(f"{'hf-torch':<10} {1:>5} {1.0:>6.2f} {result['transformers']['tokens_per_s']:>9.1f} "
-                f"{result['transformers']['tokens_per_s'] / result['modes']['ar']['tokens_per_s']:>7.2f}x")
-  rows.append(f"{result['num_prompts']} prompts x {result['prompt_len']} tokens, {result['max_new_tokens']} new tokens, "
-              f"batch {result['batch_size']}; {result['timing']}")
-  return "\n".join(rows)
+    tps = result["transformers"]["tokens_per_s"]
+    rows.append({"mode": "hf-torch", "nodes": 1, "tau": 1.0, "tok/s": tps,
+                 "speedup": tps / result["modes"]["ar"]["tokens_per_s"]})
+  return (format_table(rows) + f"\n{result['num_prompts']} prompts x {result['prompt_len']} tokens, "
+          f"{result['max_new_tokens']} new tokens, batch {result['batch_size']}; {result['timing']}")
 
 
 def plots(result: dict, out_dir: str) -> list[str]:
@@ -231,3 +233,215 @@ def plots(result: dict, out_dir: str) -> list[str]:
   plt.close(fig)
   paths.append(os.path.join(out_dir, "acceptance_by_depth.png"))
   return paths
+
+
+# ----------------------------------------------------------------------------------------------
+# Machine, timing, tables, JSON.
+
+RESULTS_DIR = Path("bench") / "results"          # under the working directory (a checkout's root)
+
+
+def machine_info() -> dict[str, Any]:
+  """Where the numbers come from: host, CPU count, memory and library versions."""
+  info: dict[str, Any] = {"python": platform.python_version(), "platform": platform.platform(),
+                          "cpu_count": os.cpu_count(), "date": datetime.date.today().isoformat()}
+  try:
+    info["load_average_1_5_15min"] = [round(x, 2) for x in os.getloadavg()]   # other jobs share the CPUs
+  except OSError:
+    pass
+  try:
+    with open("/proc/meminfo") as f:
+      mem_kb = int(next(line for line in f if line.startswith("MemTotal")).split()[1])
+    info["mem_total_gib"] = round(mem_kb / 1024 ** 2, 1)
+  except (OSError, StopIteration, ValueError):
+    pass
+  try:
+    with open("/proc/cpuinfo") as f:
+      info["cpu_model"] = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+  except (OSError, StopIteration):
+    pass
+  for mod in ("jax", "jaxlib", "numpy", "orbax.checkpoint", "safetensors", "torch", "transformers"):
+    m = sys.modules.get(mod)
+    if m is not None and hasattr(m, "__version__"):
+      info[mod] = m.__version__
+  if "jax" in sys.modules:
+    import jax
+    info["jax_backend"] = jax.default_backend()
+    info["jax_devices"] = [str(d) for d in jax.devices()]
+  return info
+
+
+def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
+  """(fn(), wall seconds)."""
+  t0 = time.perf_counter()
+  out = fn()
+  return out, time.perf_counter() - t0
+
+
+def median(xs: Sequence[float]) -> float:
+  return float(statistics.median(xs)) if xs else float("nan")
+
+
+def fmt(x: Any, digits: int = 3) -> str:
+  """Compact cell text: floats to ``digits`` significant-ish places, None as '-'."""
+  if x is None:
+    return "-"
+  if isinstance(x, bool):
+    return "yes" if x else "no"
+  if isinstance(x, float):
+    if x != x:
+      return "nan"
+    if x == 0:
+      return "0"
+    if abs(x) >= 100:
+      return f"{x:,.0f}"
+    if abs(x) >= 10:
+      return f"{x:.1f}"
+    return f"{x:.{digits}g}" if abs(x) < 0.01 else f"{x:.2f}"
+  return str(x)
+
+
+def format_table(rows: Sequence[dict[str, Any]], columns: Sequence[str] | None = None,
+                 headers: dict[str, str] | None = None) -> str:
+  """The one table formatter: ``rows`` as a plain-text (and Markdown) table, numbers right-aligned.
+  ``columns`` default to every key of every row, in first-seen order (a row may lack some: '-')."""
+  if not rows:
+    return "(no rows)"
+  columns = list(columns or dict.fromkeys(c for r in rows for c in r))
+  headers = headers or {}
+  cells = [[headers.get(c, c) for c in columns]] + [[fmt(r.get(c)) for c in columns] for r in rows]
+  widths = [max(len(row[i]) for row in cells) for i in range(len(columns))]
+  numeric = [all(isinstance(r.get(c), (int, float)) and not isinstance(r.get(c), bool) or r.get(c) is None
+                 for r in rows) for c in columns]
+
+  def line(row):
+    parts = [(v.rjust(w) if num else v.ljust(w)) for v, w, num in zip(row, widths, numeric)]
+    return "| " + " | ".join(parts) + " |"
+
+  sep = "|" + "|".join(("-" * (w + 1) + ":") if num else ("-" * (w + 2)) for w, num in zip(widths, numeric)) + "|"
+  return "\n".join([line(cells[0]), sep] + [line(r) for r in cells[1:]])
+
+
+def write_json(path: str | os.PathLike, result: dict[str, Any]) -> str:
+  """The one JSON writer: ``result`` to ``path`` through a temporary file in the same directory, renamed
+  over it, so a reader never sees half a document (a report rewritten after every section included).
+  numpy scalars / arrays and paths are converted. Returns the path."""
+  path = Path(path)
+  path.parent.mkdir(parents=True, exist_ok=True)
+  fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+  try:
+    with os.fdopen(fd, "w") as f:
+      json.dump(result, f, indent=2, default=_json_default)
+      f.write("\n")
+    os.replace(tmp, path)
+  except BaseException:
+    os.remove(tmp)
+    raise
+  return str(path)
+
+
+def save_results(result: dict[str, Any], out: str | os.PathLike | None, name: str) -> list[str]:
+  """A script's JSON: to ``out`` (default bench/results/<name>.json) and to $OUT/<name>.json when $OUT is
+  set. Returns the paths written."""
+  paths = [Path(out) if out else RESULTS_DIR / f"{name}.json"]
+  if os.environ.get("OUT"):
+    paths.append(Path(os.environ["OUT"]) / f"{name}.json")
+  return [write_json(p, result) for p in paths]
+
+
+def _json_default(x):
+  if isinstance(x, np.generic):
+    return x.item()
+  if isinstance(x, np.ndarray):
+    return x.tolist()
+  if isinstance(x, Path):
+    return str(x)
+  raise TypeError(f"not JSON serialisable: {type(x).__name__}")
+
+
+# ----------------------------------------------------------------------------------------------
+# Counts read from compiled HLO text (``jax.jit(f).lower(...).compile().as_text()``).
+
+# Host round-trips a compiled program can make: infeed / outfeed, send / recv, host callbacks.
+HOST_OPS = re.compile(r"\b(outfeed|infeed|send|recv|send-done|recv-done)\(|callback", re.IGNORECASE)
+_COMP = re.compile(r"^(?:ENTRY )?%([\w.\-]+) .*\{$")
+_INSTR = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (\(.*?\)|\S+) ([a-z][\w\-]*)\((.*)$")
+_ARRAY = re.compile(r"\b[a-z]+\d*\[([\d,]*)\]")
+_CALLEE = re.compile(r"\b(?:calls|to_apply|body|condition|true_computation|false_computation)=%([\w.\-]+)")
+
+
+def host_ops(hlo: str) -> dict[str, list[str]]:
+  """The custom-call targets of a compiled module and the host operations (``HOST_OPS``) found in it."""
+  return {"custom_call_targets": sorted(set(re.findall(r'custom_call_target="([^"]+)"', hlo))),
+          "host_ops_found": sorted({m.group(0) for m in HOST_OPS.finditer(hlo)})}
+def _dims(shape: str) -> list[int]:
+  m = _ARRAY.search(shape)
+  return [int(d) for d in m.group(1).split(",") if d] if m else []
+
+
+def _computations(hlo: str) -> tuple[dict[str, list[tuple[str, str, str, str]]], str]:
+  """{computation: [(name, shape, opcode, rest of line)]} of a compiled HLO module, and the entry's name."""
+  comps, entry, current = {}, None, None
+  for line in hlo.splitlines():
+    line = re.sub(r"/\*.*?\*/", "", line)
+    head = _COMP.match(line)
+    if head:
+      current = comps.setdefault(head.group(1), [])
+      entry = head.group(1) if line.startswith("ENTRY") else entry
+      continue
+    ins = _INSTR.match(line)
+    if ins and current is not None:
+      current.append(ins.groups())
+  return comps, entry
+
+
+def hlo_dot_flops(hlo: str, unknown_trips: int | None = None) -> float:
+  """FLOPs of every dot in a compiled HLO module (2 * output elements * contracted size), a while
+  body counted ``known_trip_count`` times, a conditional as its costliest branch. XLA's
+  ``cost_analysis`` counts every loop body once. A loop without a known trip count (a data-dependent
+  ``lax.while_loop``) is an error, or counts ``unknown_trips`` times when given (1: FLOPs per iteration)."""
+  comps, entry = _computations(hlo)
+  memo: dict[str, float] = {}
+
+  def cost(name: str) -> float:
+    if name in memo:
+      return memo[name]
+    shapes = {n: s for n, s, _, _ in comps[name]}
+    total = 0.0
+    for _, shape, op, rest in comps[name]:
+      if op == "dot":
+        lhs = _dims(shapes[re.match(r"%([\w.\-]+)", rest).group(1)])
+        contracted = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", rest).group(1)
+        total += 2 * math.prod(_dims(shape)) * math.prod(lhs[int(d)] for d in contracted.split(",") if d)
+      elif op == "while":
+        known = re.search(r'"known_trip_count":\{"n":"(\d+)"', rest)
+        if known is None and unknown_trips is None:
+          raise ValueError("a while loop without a known trip count: its FLOPs are not static")
+        trips = int(known.group(1)) if known else unknown_trips
+        body, cond = re.search(r"body=%([\w.\-]+)", rest).group(1), re.search(r"condition=%([\w.\-]+)", rest).group(1)
+        total += trips * cost(body) + (trips + 1) * cost(cond)
+      elif op == "conditional":
+        branches = re.search(r"branch_computations=\{([^}]*)\}", rest)
+        names = re.findall(r"%([\w.\-]+)", branches.group(1)) if branches else _CALLEE.findall(rest)
+        total += max(cost(b) for b in names)
+      else:
+        total += sum(cost(c) for c in _CALLEE.findall(rest))
+    memo[name] = total
+    return total
+
+  return cost(entry)
+
+
+def largest_array(hlo: str) -> tuple[int, str]:
+  """(elements, shape) of the largest array any instruction of a compiled HLO module produces, other
+  than the entry's parameters and values of the same shape (the inputs, e.g. the expert weights)."""
+  comps, entry = _computations(hlo)
+  inputs = {tuple(_dims(s)) for _, s, op, _ in comps[entry] if op == "parameter"}
+  best = (0, "")
+  for instrs in comps.values():
+    for _, shape, op, _ in instrs:
+      for dims in _ARRAY.findall(shape):
+        d = tuple(int(x) for x in dims.split(",") if x)
+        if op != "parameter" and d not in inputs and math.prod(d) > best[0]:
+          best = (math.prod(d), shape)
+  return best

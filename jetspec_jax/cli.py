@@ -238,9 +238,7 @@ def cmd_bench(args) -> dict:
         hf_dir=side if args.transformers and not os.path.isdir(os.path.join(side, "params")) else None,
         progress=say)
   res = {"target": os.path.abspath(args.target), "head": os.path.abspath(args.head), "banks": results}
-  os.makedirs(args.out, exist_ok=True)
-  with open(os.path.join(args.out, "bench.json"), "w") as f:
-    json.dump(res, f, indent=2)
+  bench.write_json(os.path.join(args.out, "bench.json"), res)
   for name, r in results.items():
     res.setdefault("plots", {})[name] = bench.plots(r, os.path.join(args.out, name))
   _emit(args, res, "\n\n".join(f"[{name}]\n{bench.table(r)}" for name, r in results.items())

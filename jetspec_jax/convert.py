@@ -331,13 +331,21 @@ def load_target(path: str, dtype=None, mesh=None, progress=iter):
   return cfg, load_weights(reader, target_mappings(cfg), param_specs(cfg), dtype, mesh, progress), path
 
 
+def _no_phase(name: str) -> None:
+  pass
+
+
 def convert_hf(hf_dir: str, out_dir: str, dtype=None, mesh=None, overwrite=False,
-               progress=iter) -> dict:
-  """HF directory -> converted checkpoint (orbax params + hf/ side files), written atomically."""
+               progress=iter, on_phase: Callable[[str], None] = _no_phase) -> dict:
+  """HF directory -> converted checkpoint (orbax params + hf/ side files), written atomically.
+  ``on_phase(name)`` is called as each phase starts: "load", "orbax_save", "after_save" (side files)."""
   check_output_dir(out_dir, overwrite)
+  on_phase("load")
   cfg, params, side = load_target(hf_dir, dtype, mesh, progress)
   with atomic_directory(out_dir, overwrite) as tmp:
+    on_phase("orbax_save")
     save_params(os.path.join(tmp, "params"), params)
+    on_phase("after_save")
     os.makedirs(os.path.join(tmp, "hf"))
     copy_side_files(side, os.path.join(tmp, "hf"))
     stored = str(params["embed"].dtype)
@@ -348,12 +356,16 @@ def convert_hf(hf_dir: str, out_dir: str, dtype=None, mesh=None, overwrite=False
 
 
 def export_hf(ckpt_dir: str, out_dir: str, shard_bytes: int = DEFAULT_SHARD_BYTES, overwrite=False,
-              progress=iter) -> dict:
-  """Converted checkpoint (or HF dir) -> HF directory: sharded safetensors + index + side files."""
+              progress=iter, on_phase: Callable[[str], None] = _no_phase) -> dict:
+  """Converted checkpoint (or HF dir) -> HF directory: sharded safetensors + index + side files.
+  ``on_phase(name)`` is called as each phase starts: "restore", "safetensors_write", "after_write"."""
   check_output_dir(out_dir, overwrite)
+  on_phase("restore")
   cfg, params, side = load_target(ckpt_dir, None, None, progress)
   with atomic_directory(out_dir, overwrite) as tmp:
+    on_phase("safetensors_write")
     files = write_safetensors(tmp, target_mappings(cfg), params, shard_bytes)
+    on_phase("after_write")
     copied = copy_side_files(side, tmp)
     if "config.json" not in copied:
       with open(os.path.join(tmp, "config.json"), "w") as f:

@@ -69,9 +69,11 @@ def round_trip(hf_dir, tmp_path_factory):
       hf_in = hf_dir(name, dtype, IN_SHARD)
       work = tmp_path_factory.mktemp(f"rt_{name}_{dtype}")
       ckpt, out = str(work / "ckpt"), str(work / "exported")
-      info = convert.convert_hf(hf_in, ckpt)
+      phases = []                                   # the phase hook convert_bench records memory by
+      info = convert.convert_hf(hf_in, ckpt, on_phase=phases.append)
       assert info["dtype"] == dtype
-      exp = convert.export_hf(ckpt, out, shard_bytes=OUT_SHARD)
+      exp = convert.export_hf(ckpt, out, shard_bytes=OUT_SHARD, on_phase=phases.append)
+      assert phases == ["load", "orbax_save", "after_save", "restore", "safetensors_write", "after_write"]
       assert len(exp["files"]) > 1
       assert no_temp_dirs(str(work))
       cache[(name, dtype)] = (hf_in, ckpt, out)

@@ -1,23 +1,18 @@
 """The generation API: SamplingConfig, Generator's two jitted phases, GenerationResult, and no host
 transfer inside either decode loop."""
 import functools
-import os
-import sys
 
 import jax
 import numpy as np
 import pytest
 
-from jetspec_jax.bench import acceptance
+from jetspec_jax.bench import HOST_OPS, acceptance
 from jetspec_jax.config import Qwen3Config
-from jetspec_jax.decode import loop, speculative
 from jetspec_jax.decode.generation import Generator, SamplingConfig
 from jetspec_jax.decode.speculative import TreeConfig
 from jetspec_jax.errors import JetSpecError
 from jetspec_jax.models import draft_head, qwen3
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.decode_bench import HOST_OPS  # noqa: E402
 
 CFG = Qwen3Config(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=8, tie_word_embeddings=True)
@@ -72,14 +67,27 @@ def test_no_host_transfer_inside_the_decode_loop(speculative_mode):
   kw = dict(head_cfg=HEAD, head_params=head, tree=TREE) if speculative_mode else {}
   gen = Generator(CFG, target, eos_ids=(), **kw)
   state = gen.prefill(PROMPTS, 8)
-  if speculative_mode:
-    lowered = speculative.spec_decode.lower(target, head, state, cfg=CFG, head_cfg=HEAD, tree_cfg=TREE, eos_ids=(),
-                                            temperature=0.0)
-  else:
-    lowered = loop.ar_decode.lower(target, state, cfg=CFG, eos_ids=(), temperature=0.0)
-  text = lowered.compile().as_text()
+  text = gen.lower_decode(state).compile().as_text()          # the program Generator.decode runs
   assert "while" in text and not HOST_OPS.findall(text)
   assert np.asarray(jax.device_get(state.base.tokens if speculative_mode else state.tokens)).shape == (2, 8)
+
+
+@pytest.mark.parametrize("speculative_mode", [False, True], ids=["ar", "speculative"])
+def test_transfer_guard_and_fetch_hooks(speculative_mode, monkeypatch):
+  """``transfer_guard`` wraps each decode call in the device-to-host guard at that level; ``on_fetch`` sees the
+  arrays of the one final fetch (3 AR, 5 speculative); the tokens are those of an uninstrumented Generator."""
+  target, head = weights()
+  kw = dict(head_cfg=HEAD, head_params=head, tree=TREE) if speculative_mode else {}
+  levels, fetches = [], []
+  guard = jax.transfer_guard_device_to_host
+  monkeypatch.setattr(jax, "transfer_guard_device_to_host", lambda level: levels.append(level) or guard(level))
+  gen = Generator(CFG, target, eos_ids=(), transfer_guard="disallow", on_fetch=fetches.append, **kw)
+  out = gen.generate(PROMPTS, 8)
+  assert levels == ["disallow"] and [len(f) for f in fetches] == [5 if speculative_mode else 3]
+  assert all(isinstance(a, jax.Array) for a in fetches[0])
+  assert out.tokens == Generator(CFG, target, eos_ids=(), **kw).generate(PROMPTS, 8).tokens
+  with pytest.raises(JetSpecError, match="transfer_guard 'sometimes'"):
+    Generator(CFG, target, transfer_guard="sometimes")
 
 
 def test_host_op_scan_sees_a_callback_in_a_loop():

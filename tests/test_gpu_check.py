@@ -1,6 +1,6 @@
 """bench/gpu_check.py, the one script a lent GPU runs: its --smoke mode on CPU (kernel in interpret
 mode), its JSON and profile traces, and that a failing shape is recorded in its row instead of ending
-the run."""
+the run. (The kernel's tolerance checks on a GPU are tests/test_gpu.py.)"""
 import dataclasses
 import importlib.util
 import json
@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from bench import kernel_tune
+from pallas_kernels import kernel_tune
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -61,11 +61,12 @@ def test_smoke_run_writes_every_section(gpu_check, tmp_path, monkeypatch):
   assert report["kernel"]["tuning"] == tuning.DEFAULT_TUNING.to_json()
 
 
-def test_a_failing_shape_is_recorded_and_fails_the_run(gpu_check, tmp_path, monkeypatch):
-  """Also: --tune-minutes bounds the sweep alone (its timings are skipped, no table is applied)."""
+def test_a_failing_shape_is_recorded_and_the_run_goes_on(gpu_check, tmp_path, monkeypatch):
+  """gpu_check measures and reports: a failing shape is an error in its row, and the run still exits 0.
+  Also: --tune-minutes bounds the sweep alone (its timings are skipped, no table is applied)."""
   monkeypatch.setenv("OUT", str(tmp_path))
   assert gpu_check.main(["--smoke", "--skip-phases", "--skip-decode", "--skip-profile", "--tune-minutes", "0",
-                         "--block-k", "48"]) == 1
+                         "--block-k", "48"]) == 0
   report = json.loads((tmp_path / "gpu_check.json").read_text())
   rows = report["kernel"]["rows"]
   assert len(rows) == 4 and all("block_k=48" in r["error"] for r in rows)

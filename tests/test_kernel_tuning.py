@@ -87,10 +87,10 @@ def test_an_illegal_table_entry_is_refused_at_the_call():
 
 
 def test_every_tune_candidate_lowers_to_a_verified_triton_module(triton_modules):
-  """The GPU run's sweep (bench/kernel_tune.py) should spend its time measuring, not failing: every
+  """The GPU run's sweep (pallas_kernels/kernel_tune.py) should spend its time measuring, not failing: every
   candidate configuration is legal and gives a Triton module that verifies, for one problem of each row
   count it is swept on (Qwen3-8B attention, bf16)."""
-  from bench import kernel_tune
+  from pallas_kernels import kernel_tune
   spec = jax.ShapeDtypeStruct
   for num_q in sorted({n for n, _ in kernel_tune.SHAPES}):
     args = (spec((1, num_q, 32, 128), jnp.bfloat16), spec((1, 8, 4096 + num_q, 128), jnp.bfloat16),

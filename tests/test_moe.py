@@ -2,9 +2,7 @@
 compiled FLOPs / memory bound, sharded without routing across the data axis, lossless speculation."""
 import dataclasses
 import functools
-import os
 import re
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -17,14 +15,13 @@ from jax.sharding import NamedSharding
 
 import hf_fixtures
 from jetspec_jax import sharding
+from jetspec_jax.bench import hlo_dot_flops, largest_array
 from jetspec_jax.config import Qwen3Config
 from jetspec_jax.decode.generation import Generator
 from jetspec_jax.decode.speculative import TreeConfig
 from jetspec_jax.models import draft_head, moe, qwen3
 from jetspec_jax.models.params import declared_specs
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.moe_bench import hlo_dot_flops, largest_array  # noqa: E402
 
 MOE = Qwen3Config(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=4, head_dim=8, rope_theta=10000.0, num_experts=8, num_experts_per_tok=2,

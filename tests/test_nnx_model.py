@@ -2,8 +2,6 @@
 abstract creation, use through Flax's own transforms, the explicit cache, profile scopes, and the error
 for a checkpoint of the flat layout that came before."""
 import dataclasses
-import os
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -12,13 +10,12 @@ import pytest
 from flax import nnx
 
 from jetspec_jax import checkpoint, convert, sharding
+from jetspec_jax.bench import largest_array
 from jetspec_jax.config import Qwen3Config
 from jetspec_jax.errors import JetSpecError
 from jetspec_jax.models import draft_head, moe, qwen3
 from jetspec_jax.models import params as P
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.common import largest_array  # noqa: E402
 
 DENSE = Qwen3Config(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                     num_key_value_heads=2, head_dim=8)

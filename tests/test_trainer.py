@@ -113,8 +113,7 @@ def test_target_states_equal_the_dense_forward_without_its_score_buffers():
   rows (float32, 1e-5), and its compiled program has no [B, H, L, L]-sized temporary (the dense one does)."""
   from jetspec_jax.config import Qwen3Config
   from jetspec_jax.models import qwen3
-  sys.path.insert(0, REPO)
-  from bench.common import largest_array
+  from jetspec_jax.bench import largest_array
   cfg = Qwen3Config(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                     num_key_value_heads=2, head_dim=32, rope_theta=10000.0)
   batch, length, taps = 2, 1024, (0, 1)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +21,7 @@ from jetspec_jax.decode import loop, sampling, speculative
 from jetspec_jax.decode.prompts import batch_prompts
 from jetspec_jax.decode.speculative import TreeConfig
 from jetspec_jax.distributed import host_values
+from jetspec_jax.errors import JetSpecError
 from jetspec_jax.models import draft_head, qwen3
 from jetspec_jax.models.draft_head import DraftConfig
 
@@ -71,15 +72,26 @@ class GenerationResult:
   decode_s: float
 
 
+TRANSFER_GUARDS = ("allow", "log", "disallow", "log_explicit", "disallow_explicit")
+
+
 class Generator:
   """Generation with one target, and speculative when it has a draft head (``head_cfg``, ``head_params``,
-  ``tree``). ``eos_ids`` None: the target config's; ``cache_dtype`` None: the target weights' dtype."""
+  ``tree``). ``eos_ids`` None: the target config's; ``cache_dtype`` None: the target weights' dtype.
+
+  Instrumentation (for benchmarks and debugging): ``transfer_guard`` (one of ``TRANSFER_GUARDS``) runs every
+  ``decode`` call, and waits for it, under ``jax.transfer_guard_device_to_host(transfer_guard)``;
+  ``on_fetch(arrays)`` is called with the device arrays ``generate`` fetches to the host, just before."""
 
   def __init__(self, target_cfg: Qwen3Config, target_params: dict, *, head_cfg: DraftConfig | None = None,
                head_params: dict | None = None, tree: TreeConfig | None = None,
                sampling_cfg: SamplingConfig = SamplingConfig(), eos_ids: Sequence[int] | None = None,
                attn_impl: str = "xla", mesh=None, cache_dtype=None,
-               drafter: speculative.Drafter = speculative.head_drafter):
+               drafter: speculative.Drafter = speculative.head_drafter, transfer_guard: str | None = None,
+               on_fetch: Callable[[tuple[jax.Array, ...]], None] | None = None):
+    if transfer_guard is not None and transfer_guard not in TRANSFER_GUARDS:
+      raise JetSpecError(f"transfer_guard {transfer_guard!r} is not one of {', '.join(TRANSFER_GUARDS)}")
+    self.transfer_guard, self.on_fetch = transfer_guard, on_fetch
     self.cfg, self.params = target_cfg, target_params
     self.head_cfg, self.head_params = head_cfg, head_params
     self.sampling = sampling_cfg.resolved()
@@ -125,14 +137,26 @@ class Generator:
     return speculative.SpecState(base=base, draft_cache=draft_cache, rounds=jnp.zeros((batch,), jnp.int32),
                                  depth_hist=jnp.zeros((batch, self.tree.depth + 1), jnp.int32))
 
-  def decode(self, state):
-    """Run the jitted loop on ``state`` (donated) until every sequence is done."""
+  def _decode_call(self, state):
+    """(jitted decode program, its positional and keyword arguments) for ``state``."""
+    kw = dict(cfg=self.cfg, eos_ids=self.eos, attn_impl=self.attn_impl, mesh=self.mesh, **self._sampling_args())
     if not self.speculative:
-      return loop.ar_decode(self.params, state, cfg=self.cfg, eos_ids=self.eos, attn_impl=self.attn_impl,
-                            mesh=self.mesh, **self._sampling_args())
-    return speculative.spec_decode(self.params, self.head_params, state, cfg=self.cfg, head_cfg=self.head_cfg,
-                                   tree_cfg=self.tree, eos_ids=self.eos, attn_impl=self.attn_impl, mesh=self.mesh,
-                                   drafter=self.drafter, accept=self.sampling.accept, **self._sampling_args())
+      return loop.ar_decode, (self.params, state), kw
+    return speculative.spec_decode, (self.params, self.head_params, state), dict(
+        kw, head_cfg=self.head_cfg, tree_cfg=self.tree, drafter=self.drafter, accept=self.sampling.accept)
+
+  def decode(self, state):
+    """Run the jitted loop on ``state`` (donated) until every sequence is done (see ``transfer_guard``)."""
+    fn, args, kwargs = self._decode_call(state)
+    if self.transfer_guard is None:
+      return fn(*args, **kwargs)
+    with jax.transfer_guard_device_to_host(self.transfer_guard):
+      return jax.block_until_ready(fn(*args, **kwargs))
+
+  def lower_decode(self, state) -> jax.stages.Lowered:
+    """The program ``decode(state)`` runs, lowered (neither run nor donated): e.g. ``.compile().as_text()``."""
+    fn, args, kwargs = self._decode_call(state)
+    return fn.lower(*args, **kwargs)
 
   def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, width: int | None = None,
                key: jax.Array | None = None) -> GenerationResult:
@@ -143,8 +167,10 @@ class Generator:
     t1 = time.perf_counter()
     state = self.decode(state)
     base = state.base if self.speculative else state
-    fetched = host_values((base.tokens, base.num_tokens, base.steps)
-                          + ((state.rounds, state.depth_hist) if self.speculative else ()))
+    arrays = (base.tokens, base.num_tokens, base.steps) + ((state.rounds, state.depth_hist) if self.speculative else ())
+    if self.on_fetch is not None:
+      self.on_fetch(arrays)
+    fetched = host_values(arrays)
     t2 = time.perf_counter()
     out, num, steps = fetched[:3]
     num = np.asarray(num)

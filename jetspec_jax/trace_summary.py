@@ -16,6 +16,8 @@ import gzip
 import json
 from pathlib import Path
 
+from jetspec_jax.bench import format_table
+
 
 def trace_file(trace_dir) -> Path:
   """The perfetto trace of the newest run in ``trace_dir``: ``<dir>/plugins/profile/<run>/perfetto_trace.json.gz``."""
@@ -109,10 +111,6 @@ def format_summary(summary: dict, top: int = 12) -> str:
           f"(busy fraction {summary['busy_fraction']:.3f}), {summary['events']:.1f} kernels/round, "
           f"{summary['rounds']:g} rounds, {summary['source']} events")
   phases = "phases, ms/round: " + ", ".join(f"{r['name']} {r['total_us'] / 1e3:.3f}" for r in summary["phases"])
-  lines = [("kernel", "us/round", "count/round", "mean_us", "share")] + [
-      (r["name"][:60], f"{r['total_us']:.1f}", f"{r['count']:.2f}", f"{r['mean_us']:.2f}", f"{r['share']:.3f}")
-      for r in summary["kernels"][:top]]
-  widths = [max(len(line[i]) for line in lines) for i in range(5)]
-  table = [line[0].ljust(widths[0]) + "  " + "  ".join(v.rjust(w) for v, w in zip(line[1:], widths[1:]))
-           for line in lines]
-  return "\n".join([head, phases, *table])
+  kernels = [{"kernel": r["name"][:60], "us/round": f"{r['total_us']:.1f}", "count/round": f"{r['count']:.2f}",
+              "mean_us": f"{r['mean_us']:.2f}", "share": f"{r['share']:.3f}"} for r in summary["kernels"][:top]]
+  return "\n".join([head, phases, format_table(kernels)])

@@ -1,4 +1,5 @@
-"""Tile-size sweep of the Pallas tree-attention kernel, run by ``bench/gpu_check.py`` (tune section).
+"""Tile-size sweep of the Pallas tree-attention kernel (beside the kernel and its tuning tables), run by
+``bench/gpu_check.py``'s tune section.
 
 For a few problem shapes (N tree nodes x prefix length, Qwen3-8B attention), time the kernel under
 each candidate launch configuration (block_r, block_k, num_warps, num_stages, and the rule that picks
