@@ -226,7 +226,7 @@ def spec_variants(args):
 def bench_spec(args, params, cfg, prompts, ar_tokens):
   import jax
   import jax.numpy as jnp
-  from jetspec_jax.decode.generation import Generator
+  from jetspec_jax.decode.generation import Generator, acceptance
   from jetspec_jax.models import draft_head
   m, depth = args.max_new_tokens, args.depth
   head_cfg = draft_head.DraftConfig.for_target(cfg, num_layers=1, block_size=depth + 1)
@@ -244,7 +244,7 @@ def bench_spec(args, params, cfg, prompts, ar_tokens):
       res = [Generator(cfg, params, head_cfg=head_cfg, head_params=oracle_heads[i] if oracle else head, tree=tree_cfg,
                        eos_ids=(), **({"drafter": oracle_drafter} if oracle else {})).generate([pr], m)
              for i, pr in enumerate(prompts)]
-      return {"tokens": [r.tokens[0] for r in res], **bench.acceptance(res), "num_nodes": tree_cfg.num_nodes()}
+      return {"tokens": [r.tokens[0] for r in res], **acceptance(res), "num_nodes": tree_cfg.num_nodes()}
     return run
 
   runners = {("AR", "-"): ar_run}

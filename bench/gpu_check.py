@@ -262,7 +262,7 @@ def generate(model: DecodeModel, budget: int | None, *, max_new: int, attn_impl:
   """One greedy generation of ``max_new`` tokens, AR (budget None) or speculative with a ``method`` tree of
   ``budget`` nodes, width 7: decode_s (seconds after the prefill), rounds (AR: target forwards after the
   prefill), tau."""
-  from jetspec_jax.decode.generation import Generator
+  from jetspec_jax.decode.generation import Generator, acceptance
   from jetspec_jax.decode.speculative import TreeConfig
   if budget is None:
     out = Generator(model.cfg, model.params, eos_ids=(), attn_impl=attn_impl).generate(model.prompt, max_new)
@@ -270,7 +270,7 @@ def generate(model: DecodeModel, budget: int | None, *, max_new: int, attn_impl:
   tree = TreeConfig(method, budget, 7, model.head_cfg.depth)
   out = Generator(model.cfg, model.params, head_cfg=model.head_cfg, head_params=model.head, tree=tree, eos_ids=(),
                   attn_impl=attn_impl).generate(model.prompt, max_new)
-  acc = bench.acceptance([out])
+  acc = acceptance([out])
   return dict(decode_s=out.decode_s, rounds=acc["rounds"], tau=acc["tau"])
 
 

@@ -27,7 +27,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jetspec_jax.bench import acceptance, format_table, machine_info, median, save_results
+from jetspec_jax.bench import format_table, machine_info, median, save_results
+from jetspec_jax.decode.generation import acceptance
 from jetspec_jax.config import Qwen3Config
 from jetspec_jax.decode.generation import Generator, SamplingConfig
 from jetspec_jax.decode.speculative import TreeConfig

@@ -91,18 +91,6 @@ def prompt_bank(bank: str, tokenizer, *, num_prompts: int, prompt_len: int, offs
   return out
 
 
-def acceptance(results) -> dict:
-  """tau and per-depth acceptance of speculative ``GenerationResult``s (summed over all of them): the one
-  place they are computed. tau = committed tokens per round, each sequence's prefill token excluded;
-  acceptance_by_depth[d-1] = share of rounds that accepted at least d draft tokens."""
-  rounds = int(sum(int(np.sum(r.rounds)) for r in results))
-  decoded = sum(int(np.sum(r.num_tokens)) - len(r.num_tokens) for r in results)
-  hist = np.sum([np.sum(r.depth_histogram, axis=0) for r in results], axis=0)
-  at_least = hist[::-1].cumsum()[::-1]
-  return {"tau": decoded / max(rounds, 1), "rounds": rounds, "depth_histogram": hist.tolist(),
-          "acceptance_by_depth": [float(at_least[d] / max(rounds, 1)) for d in range(1, len(hist))]}
-
-
 def _batches(prompts, batch_size):
   return [prompts[i:i + batch_size] for i in range(0, len(prompts) - batch_size + 1, batch_size)]
 
@@ -127,7 +115,7 @@ def run(target_params, cfg, head_params, head_cfg, prompts: Sequence[Sequence[in
         attn_impl: str = "xla", mesh=None, hf_dir: str | None = None, progress=print) -> dict:
   """AR, chain and, for each tree method, a tree per budget, on the same prompts; returns the result dict
   (see module doc). Tree modes are named ``<prefix>_b<budget>`` (``MODE_PREFIX``: tree_b16 is accum_logp)."""
-  from jetspec_jax.decode.generation import Generator
+  from jetspec_jax.decode.generation import Generator, acceptance
   from jetspec_jax.decode.speculative import TreeConfig
   depth = head_cfg.depth if depth is None else depth
   prompts = [list(p) for p in prompts]

@@ -120,8 +120,7 @@ def _check_positions(cfg, what: str, prompt_len: int, max_new_tokens: int) -> No
 def cmd_generate(args) -> dict:
   import jax
   from jetspec_jax.convert import load_head, load_target, read_target_config
-  from jetspec_jax import bench
-  from jetspec_jax.decode.generation import Generator, SamplingConfig
+  from jetspec_jax.decode.generation import Generator, SamplingConfig, acceptance
   from jetspec_jax.decode.speculative import TreeConfig
   if args.max_new_tokens < 1:
     raise JetSpecError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
@@ -163,7 +162,7 @@ def cmd_generate(args) -> dict:
          "tokens_per_s": len(tokens) / max(out.decode_s + out.prefill_s, 1e-9),
          "sampling": generator.sampling.describe()}
   if args.head:
-    res.update(bench.acceptance([out]), tree=dataclasses.asdict(tree) | {"num_nodes": tree.num_nodes()})
+    res.update(acceptance([out]), tree=dataclasses.asdict(tree) | {"num_nodes": tree.num_nodes()})
   if tokenizer is None and os.path.isfile(os.path.join(side, "tokenizer.json")):
     tokenizer = _load_tokenizer(side)
   if tokenizer is not None:

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jetspec_jax import bench, cache, convert
-from jetspec_jax.decode.generation import Generator
+from jetspec_jax.decode.generation import Generator, acceptance
 from jetspec_jax.decode.speculative import TreeConfig
 from jetspec_jax.models import draft_head, qwen3
 from jetspec_jax.stages import Stage, StageSpec, stage_key_parts
@@ -265,7 +265,7 @@ def run(workdir: str | None = None, settings: DemoSettings = DemoSettings(), qui
                   progress=lambda m: say(f"  {bank}: {m}"))
     tree = TreeConfig(s.bench_trees[0], max(s.bench_budgets), s.bench_width, head_cfg.depth)
     base = Generator(cfg, params, head_cfg=head_cfg, head_params=untrained, tree=tree, eos_ids=())
-    r["untrained_tree_tau"] = bench.acceptance([base.generate(prompts, s.bench_new_tokens)])["tau"]
+    r["untrained_tree_tau"] = acceptance([base.generate(prompts, s.bench_new_tokens)])["tau"]
     r["plots"] = bench.plots(r, os.path.join(root, "bench", bank))
     res["bench"][bank] = r
   res["head_dir"] = head_dir

@@ -11,6 +11,7 @@ from jetspec_jax.decode.prompts import batch_prompts
 from jetspec_jax.decode.speculative import TreeConfig
 from jetspec_jax.models import draft_head, qwen3
 from jetspec_jax.sharding import make_mesh
+from cuda_lowering import cuda_target
 
 CFG = Qwen3Config(vocab_size=89, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=64, rope_theta=10000.0)
@@ -116,13 +117,14 @@ def test_decode_loops_lower_for_cuda_with_the_kernel(triton_modules):
                                             taps, head_cfg=hcfg)
   state = speculative.SpecState(base=base, draft_cache=draft_cache, rounds=jax.numpy.zeros((2,), "int32"),
                                 depth_hist=jax.numpy.zeros((2, TREE.depth + 1), "int32"))
-  lowered = {
-      "speculative": speculative.spec_decode.trace(tp, hp, state, cfg=CFG, head_cfg=hcfg, tree_cfg=TREE, eos_ids=(),
-                                                   attn_impl="pallas"),
-      "ar": loop.ar_decode.trace(tp, base, cfg=CFG, eos_ids=(), temperature=0.0, attn_impl="pallas"),
-  }
-  for name, traced in lowered.items():
-    text = traced.lower(lowering_platforms=("cuda",)).as_text()
+  with cuda_target():
+    lowered = {
+        "speculative": speculative.spec_decode.trace(tp, hp, state, cfg=CFG, head_cfg=hcfg, tree_cfg=TREE,
+                                                     eos_ids=(), attn_impl="pallas"),
+        "ar": loop.ar_decode.trace(tp, base, cfg=CFG, eos_ids=(), temperature=0.0, attn_impl="pallas"),
+    }
+    texts = {name: traced.lower(lowering_platforms=("cuda",)).as_text() for name, traced in lowered.items()}
+  for name, text in texts.items():
     assert "__gpu$xla.gpu.triton" in text, name    # (one kernel function, called by every layer)
   assert triton_modules and all(error is None for _, error in triton_modules), triton_modules
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from jetspec_jax import bench, convert, demo, stages
-from jetspec_jax.decode.generation import Generator
+from jetspec_jax.decode.generation import Generator, acceptance
 from jetspec_jax.decode.speculative import TreeConfig
 from jetspec_jax.models import draft_head, qwen3
 from jetspec_jax.tokenizer import load_tokenizer
@@ -83,7 +83,7 @@ def test_trained_head_beats_untrained_on_its_training_prompts(result):
   cfg, params, _ = convert.load_target(os.path.join(root, "target_ckpt"), jnp.float32)
   head_cfg, head = convert.load_head(result["head_dir"], jnp.float32, target_cfg=cfg)
   tree = TreeConfig("accum_logp", 64, 4, head_cfg.depth)
-  tau = lambda hp: bench.acceptance([Generator(cfg, params, head_cfg=head_cfg, head_params=hp, tree=tree,
+  tau = lambda hp: acceptance([Generator(cfg, params, head_cfg=head_cfg, head_params=hp, tree=tree,
                                                eos_ids=()).generate(prompts, 48)])["tau"]
   trained, untrained = tau(head), tau(draft_head.init_head(head_cfg, jax.random.key(7)))
   assert trained >= untrained + 0.5, (trained, untrained)

@@ -6,7 +6,8 @@ import jax
 import numpy as np
 import pytest
 
-from jetspec_jax.bench import HOST_OPS, acceptance
+from jetspec_jax.bench import HOST_OPS
+from jetspec_jax.decode.generation import acceptance
 from jetspec_jax.config import Qwen3Config
 from jetspec_jax.decode.generation import Generator, SamplingConfig
 from jetspec_jax.decode.speculative import TreeConfig

@@ -11,6 +11,7 @@ import pytest
 from jetspec_jax.attention import AttentionImpl, attention
 from jetspec_jax.errors import JetSpecError
 from pallas_kernels.errors import KernelError
+from cuda_lowering import lower_text
 from pallas_kernels import tree_attention as ta
 from pallas_kernels import tuning as kt
 
@@ -63,8 +64,7 @@ def _lowered_text(num_q: int, call=ta.tree_attention, **kwargs) -> str:
   spec = jax.ShapeDtypeStruct
   args = (spec((1, num_q, 32, 128), jnp.bfloat16), spec((1, 8, 4096, 128), jnp.bfloat16),
           spec((1, 8, 4096, 128), jnp.bfloat16), spec((1,), jnp.int32), spec((1, num_q, num_q), jnp.bool_))
-  fn = jax.jit(lambda *a: call(*a, **kwargs))
-  return fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  return lower_text(lambda *a: call(*a, **kwargs), *args)
 
 
 def test_kernel_launches_with_the_tables_configuration():
@@ -97,6 +97,6 @@ def test_every_tune_candidate_lowers_to_a_verified_triton_module(triton_modules)
             spec((1, 8, 4096 + num_q, 128), jnp.bfloat16), spec((1,), jnp.int32), spec((1, num_q, num_q), jnp.bool_))
     for config in kernel_tune.CONFIGS:
       only = kt.KernelTuning(rules=((1, config),))
-      jax.jit(lambda *a, only=only: ta.tree_attention(*a, tuning=only)).trace(*args).lower(lowering_platforms=("cuda",))
+      lower_text(lambda *a, only=only: ta.tree_attention(*a, tuning=only), *args)
   assert len(triton_modules) == 3 * len(kernel_tune.CONFIGS)
   assert [error for _, error in triton_modules if error is not None] == []

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import pytest
 
 import hf_fixtures
-from jetspec_jax.bench import acceptance
+from jetspec_jax.decode.generation import acceptance
 from jetspec_jax.config import Qwen3Config
 from jetspec_jax.decode.generation import Generator
 from jetspec_jax.decode.speculative import TreeConfig

@@ -14,6 +14,7 @@ import pytest
 from jetspec_jax.attention import attention
 from pallas_kernels.reference import xla_attention
 from pallas_kernels.errors import KernelError
+from cuda_lowering import lower_text
 from pallas_kernels import tree_attention as ta
 from pallas_kernels import tuning
 
@@ -201,8 +202,7 @@ def _lower_for_cuda(num_q: int, head_dim: int, *, debug: bool = False) -> str:
           spec((batch, 8, cache_len, head_dim), jnp.bfloat16),
           spec((batch, 8, cache_len, head_dim), jnp.bfloat16),
           spec((batch,), jnp.int32), spec((batch, num_q, num_q), jnp.bool_))
-  fn = jax.jit(lambda *a: ta.tree_attention(*a, debug=debug))
-  return fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  return lower_text(lambda *a: ta.tree_attention(*a, debug=debug), *args)
 
 
 @pytest.mark.parametrize("num_q,head_dim", LOWERING)

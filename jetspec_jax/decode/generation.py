@@ -72,6 +72,18 @@ class GenerationResult:
   decode_s: float
 
 
+def acceptance(results) -> dict:
+  """tau and per-depth acceptance of speculative ``GenerationResult``s (summed over all of them): the one
+  place they are computed. tau = committed tokens per round, each sequence's prefill token excluded;
+  acceptance_by_depth[d-1] = share of rounds that accepted at least d draft tokens."""
+  rounds = int(sum(int(np.sum(r.rounds)) for r in results))
+  decoded = sum(int(np.sum(r.num_tokens)) - len(r.num_tokens) for r in results)
+  hist = np.sum([np.sum(r.depth_histogram, axis=0) for r in results], axis=0)
+  at_least = hist[::-1].cumsum()[::-1]
+  return {"tau": decoded / max(rounds, 1), "rounds": rounds, "depth_histogram": hist.tolist(),
+          "acceptance_by_depth": [float(at_least[d] / max(rounds, 1)) for d in range(1, len(hist))]}
+
+
 TRANSFER_GUARDS = ("allow", "log", "disallow", "log_explicit", "disallow_explicit")
 
 
