@@ -40,9 +40,6 @@ from jetspec_jax.train import runtime
 
 
 BATCH_FIELDS = ("input_ids", "segment_ids", "positions")
-FINAL_LR_FRAC = 0.1
-WEIGHT_DECAY = 0.1
-CLIP_NORM = 1.0
 
 
 def default_demo_config(vocab_size: int, eos_id: int | None, pad_id: int | None, *, hidden_size: int = 128,
@@ -81,9 +78,6 @@ def mean_loss(params: dict, cfg: Qwen3Config, batch: dict, *, mesh=None):
   count = jnp.sum(valid)
   return jnp.sum(jnp.where(valid, ce, 0.0)) / jnp.maximum(count, 1), count
 
-
-# ----------------------------------------------------------------------------------------------
-# Optimizer and step.
 
 def _loss(params: dict, batch: dict, key, *, cfg: Qwen3Config, mesh):
   loss, count = mean_loss(params, cfg, batch, mesh=mesh)
@@ -168,22 +162,14 @@ def pretrain_target(cfg: Qwen3Config, rows, out_dir: str, *, steps: int, batch_s
       raise JetSpecError(f"the tokenizer has {len(tokenizer)} ids but vocab_size={cfg.vocab_size}")
   if mesh is None:   # one device; with several processes, every device on the data axis
     mesh = make_mesh(1, 1, jax.devices()[:1]) if jax.process_count() == 1 else make_mesh(jax.device_count(), 1)
-  nproc = jax.process_count()
-  if batch_size % nproc or batch_size % mesh.shape["data"]:
-    raise JetSpecError(f"batch_size={batch_size} must divide by the {nproc} processes and the mesh's data axis "
-                       f"({mesh.shape['data']})")
-
-  opt = runtime.OptimizerConfig(int(steps), float(learning_rate), float(warmup_frac), FINAL_LR_FRAC, CLIP_NORM,
-                                WEIGHT_DECAY, decay_matrices_only=True)
+  local_batch = runtime.local_batch_size(batch_size, mesh)
+  opt = runtime.OptimizerConfig(steps=int(steps), learning_rate=float(learning_rate), warmup_frac=float(warmup_frac),
+                                final_lr_frac=0.1, clip_norm=1.0, weight_decay=0.1, decay_matrices_only=True)
   tx, step_fn = build_program(cfg, opt, mesh)
   state = runtime.init_state(tx, qwen3.init_target(cfg, jax.random.key(seed), jnp.float32, mesh),
                              jax.random.key(seed + 1), mesh)
-
-  def record(m, window):
-    return {"tokens_per_s": sum(int(t) for t in window["tokens"]) / max(window["seconds"], 1e-9)
-            if window["steps"] else 0.0}
-
-  done = runtime.fit(step_fn, state, BatchIterator(rows, batch_size // nproc, seed=seed), opt,
+  record = lambda m, window: {"tokens_per_s": sum(int(t) for t in window["tokens"]) / window["seconds"]}
+  done = runtime.fit(step_fn, state, BatchIterator(rows, local_batch, seed=seed), opt,
                      sharding=NamedSharding(mesh, P("data", None)), fields=BATCH_FIELDS, log_every=log_every,
                      record=record, keep=("loss", "tokens"), log_dir=log_dir, progress=progress, desc="pretrain")
   losses = [float(x) for x in done.kept["loss"]]
@@ -197,16 +183,10 @@ def pretrain_target(cfg: Qwen3Config, rows, out_dir: str, *, steps: int, batch_s
   if jax.process_index() == 0:
     files = write_hf_directory(out_dir, out_cfg, host, tokenizer_dir, overwrite)
   return {
-      "out_dir": os.path.abspath(out_dir),
-      "files": files,
-      "steps": steps,
-      "initial_loss": losses[0],
-      "final_loss": losses[-1],
-      "final_loss_avg": float(np.mean(losses[-tail:])),
-      "losses": losses,
-      "tokens": int(sum(token_counts)),
-      "seconds": done.seconds,
-      "first_step_seconds": done.first_step_seconds,
+      "out_dir": os.path.abspath(out_dir), "files": files, "steps": steps,
+      "initial_loss": losses[0], "final_loss": losses[-1], "final_loss_avg": float(np.mean(losses[-tail:])),
+      "losses": losses, "tokens": int(sum(token_counts)),
+      "seconds": done.seconds, "first_step_seconds": done.first_step_seconds,
       "tokens_per_s": steady_tokens / steady_seconds if steps > 1 else 0.0,
       "padded_tokens_per_s": (steps - 1) * batch_size * rows.seq_len / steady_seconds if steps > 1 else 0.0,
       "num_params": num_params(cfg),

@@ -55,7 +55,6 @@ def build_rows(examples: Iterable[tuple[np.ndarray, np.ndarray]], seq_len: int, 
     yield flush()
 
 
-
 class JetspecChat(tfds.core.GeneratorBasedBuilder, skip_registration=True):
   """Tokenised chat rows; one config per (source, tokenizer, settings) fingerprint."""
   VERSION = tfds.core.Version("1.0.0")
@@ -144,4 +143,3 @@ def prepare_dataset(source: str, tokenizer, data_dir: str, *, seq_len: int, pack
                         file_format="array_record")
   builder.download_and_prepare()
   return ChatRows(builder.as_data_source(split="train"), os.fspath(builder.data_path), dict(builder.info.metadata))
-

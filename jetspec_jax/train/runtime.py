@@ -19,6 +19,8 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from jetspec_jax.errors import JetSpecError
+
 log = logging.getLogger("jetspec_jax.train")
 
 
@@ -104,6 +106,15 @@ def compile_step(loss: Callable, tx: optax.GradientTransformation, shardings: Tr
                  out_shardings=(shardings, NamedSharding(batch_sharding.mesh, P())), donate_argnums=(0,))
 
 
+def local_batch_size(batch_size: int, mesh, name: str = "batch_size") -> int:
+  """This process's rows of a global batch of ``batch_size`` (which must divide by the process count
+  and the mesh's ``data`` axis)."""
+  nproc, data = jax.process_count(), mesh.shape["data"]
+  if batch_size % nproc or batch_size % data:
+    raise JetSpecError(f"{name}={batch_size} must divide by the {nproc} processes and the mesh's data axis ({data})")
+  return batch_size // nproc
+
+
 def global_batch(local: dict[str, np.ndarray], sharding, fields) -> dict[str, jax.Array]:
   """Process-local rows of ``fields`` -> one global int32 array each, sharded by ``sharding`` (over ``data``)."""
   return {k: jax.make_array_from_process_local_data(sharding, np.asarray(local[k], np.int32)) for k in fields}
@@ -132,18 +143,15 @@ def fit(step_fn, state: TrainState, batches, opt: OptimizerConfig, *, sharding, 
   compilation, is in none); then each ``hook(step, state)`` may return a record to write. Every
   ``checkpoint_every`` steps and at the last, ``store`` saves the state with ``{data_state, step}``.
   """
+  from tqdm import tqdm
   from jetspec_jax.train.metrics import MetricsWriter
   if store is not None and store.latest_step() is not None:
     state, meta = store.restore(store.latest_step(), abstract(state))
     batches.state = int(meta["data_state"])
     log.info("resumed from step %d", int(state.step))
   total, start = opt.steps * opt.grad_accum, int(state.step)
-  writer = MetricsWriter(log_dir) if log_dir is not None else None
-  write = (lambda step, rec: writer.write(step, rec)) if writer is not None else (lambda step, rec: None)
-  bar = None
-  if progress and jax.process_index() == 0:
-    from tqdm import tqdm
-    bar = tqdm(total=total, initial=start, desc=desc, unit="step")
+  writer = MetricsWriter(log_dir, enabled=log_dir is not None)
+  bar = tqdm(total=total, initial=start, desc=desc, unit="step", disable=not progress or jax.process_index() != 0)
   kept, last, done = {k: [] for k in keep}, {}, 0
   t_start = t_first = t_log = time.perf_counter()
   while start + done < total and (stop_after is None or done < stop_after):
@@ -158,26 +166,22 @@ def fit(step_fn, state: TrainState, batches, opt: OptimizerConfig, *, sharding, 
       logged = 1            # steps of this invocation before the current window
     if step % log_every == 0 or step == total:
       m, now = jax.device_get(metrics), time.perf_counter()
-      window = {"steps": done - logged, "seconds": now - t_log,
+      window = {"steps": done - logged, "seconds": max(now - t_log, 1e-9),
                 **{k: jax.device_get(v[logged:]) for k, v in kept.items()}}
       t_log, logged = now, done
       last = {k: float(v) for k, v in m.items() if np.ndim(v) == 0}
       last.update(learning_rate=opt.lr_at(step - 1), **(record(m, window) if record else {}))
-      write(step, last)
-      if bar is not None:
-        bar.set_postfix(loss=f"{last['loss']:.3f}", refresh=False)
+      writer.write(step, last)
+      bar.set_postfix(loss=f"{last['loss']:.3f}", refresh=False)
     for hook in hooks:
       if extra := hook(step, state):
-        write(step, extra)
+        writer.write(step, extra)
         last.update(extra)
     if store is not None and (step % checkpoint_every == 0 or step == total):
       store.save(step, state, {"data_state": batches.state, "step": step})
-    if bar is not None:
-      bar.update(1)
+    bar.update(1)
   jax.block_until_ready(state)
   seconds = time.perf_counter() - t_start
-  if bar is not None:
-    bar.close()
-  if writer is not None:
-    writer.close()
+  bar.close()
+  writer.close()
   return Fit(state, start + done, last, {k: jax.device_get(v) for k, v in kept.items()}, seconds, t_first - t_start)

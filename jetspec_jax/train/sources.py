@@ -138,4 +138,3 @@ def source_files(source: str) -> list[str]:
   if source.endswith(".json") and not os.path.isfile(source):
     raise JetSpecError(f"ShareGPT file not found: {source}")
   return [source] if source.endswith(".json") else jsonl_files(source)
-

@@ -162,12 +162,8 @@ def run(c: ml_collections.ConfigDict, *, progress: bool = True, stop_after: int 
   from jetspec_jax.tokenizer import load_tokenizer
   from jetspec_jax.train.batching import BatchIterator
   tc = c.train
-  if tc.batch_size % jax.process_count():
-    raise JetSpecError(f"train.batch_size={tc.batch_size} is not divisible by the {jax.process_count()} processes")
   mesh = build_mesh(c.mesh)
-  if tc.batch_size % mesh.shape["data"]:
-    raise JetSpecError(f"train.batch_size={tc.batch_size} is not divisible by the mesh's data axis "
-                       f"({mesh.shape['data']})")
+  local_batch = runtime.local_batch_size(tc.batch_size, mesh, "train.batch_size")
   target_cfg, target_params, side = convert.load_target(c.target, parse_dtype(tc.target_dtype), mesh)
   if target_layout(target_cfg, c.mesh) != target_cfg:
     target_cfg = target_layout(target_cfg, c.mesh)
@@ -187,9 +183,9 @@ def run(c: ml_collections.ConfigDict, *, progress: bool = True, stop_after: int 
   total = opt.steps * opt.grad_accum
 
   def record(m, window):
-    seqs, seconds = window["steps"] * tc.batch_size, max(window["seconds"], 1e-9)
+    seqs = window["steps"] * tc.batch_size
     return {**{f"slot_acc_{k + 1}": float(a) for k, a in enumerate(np.ravel(m.get("top1_acc", [])))},
-            "seqs_per_s": seqs / seconds, "tokens_per_s": seqs * c.data.seq_len / seconds}
+            "seqs_per_s": seqs / window["seconds"], "tokens_per_s": seqs * c.data.seq_len / window["seconds"]}
 
   def evaluate(step, state):
     if prompts and (c.eval.every and step % c.eval.every == 0 or step == total):
@@ -197,7 +193,7 @@ def run(c: ml_collections.ConfigDict, *, progress: bool = True, stop_after: int 
                           parse_dtype(tc.compute_dtype), mesh)
 
   store = CheckpointStore(os.path.join(out_dir, "checkpoints"), c.checkpoint.keep)
-  batches = BatchIterator(rows, tc.batch_size // jax.process_count(), seed=c.seed, start=held_out)
+  batches = BatchIterator(rows, local_batch, seed=c.seed, start=held_out)
   done = runtime.fit(step_fn, state, batches, opt, sharding=NamedSharding(mesh, P("data", None)), fields=BATCH_FIELDS,
                      frozen=(target_params,), log_every=c.log_every, record=record, hooks=(evaluate,), store=store,
                      checkpoint_every=c.checkpoint.every, log_dir=out_dir, progress=progress, stop_after=stop_after)
