@@ -139,8 +139,8 @@ def pretrain_target(cfg: Qwen3Config, rows, out_dir: str, *, steps: int, batch_s
   (default: one device); ``batch_size`` is global and must divide by its data axis and by the process
   count. ``tokenizer_dir``: its files are copied into ``out_dir`` and its eos / pad / bos ids go into
   config.json. Every ``log_every`` steps the loss goes to the tqdm bar and, with ``log_dir``, to
-  ``MetricsWriter`` (loss, grad_norm, learning_rate, tokens_per_s). ``out_dir`` must be absent or empty
-  unless ``overwrite``; it is checked before training and written atomically after.
+  ``MetricsWriter`` (loss, grad_norm, tokens, learning_rate, tokens_per_s). ``out_dir`` must be absent
+  or empty unless ``overwrite``; it is checked before training and written atomically after.
 
   Returns {out_dir, files, steps, initial_loss (step 1, before any update), final_loss (last step),
   final_loss_avg (mean of the last 10% of steps), losses (every step), tokens (predicted tokens),
