@@ -35,7 +35,6 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import ml_collections  # noqa: E402
-import optax  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 from jetspec_jax.bench import format_table, hlo_dot_flops, machine_info, save_results  # noqa: E402
@@ -44,7 +43,7 @@ from jetspec_jax.decode import speculative  # noqa: E402
 from jetspec_jax.decode.loop import DecodeState  # noqa: E402
 from jetspec_jax.models import draft_head, qwen3  # noqa: E402
 from jetspec_jax.sharding import make_mesh, named_sharding  # noqa: E402
-from jetspec_jax.train import trainer  # noqa: E402
+from jetspec_jax.train import runtime, trainer  # noqa: E402
 from jetspec_jax.train.config_file import load_config  # noqa: E402
 
 NAME = "aot_memory"
@@ -72,19 +71,14 @@ def abstract_params(specs, dtype, mesh) -> dict:
           for n, s in specs.items()}
 
 
-def abstract_state(head_cfg, tx, mesh) -> trainer.TrainState:
-  """``trainer.init_state``'s TrainState, abstract: float32 head weights in their shardings, optimizer
-  moments in their weight's sharding, everything else replicated (the rule ``init_state`` applies)."""
+def abstract_state(head_cfg, tx, mesh) -> runtime.TrainState:
+  """``trainer.init_state``'s TrainState, abstract: float32 head weights in their shardings, the rest
+  in the shardings ``runtime.state_shardings`` gives them."""
   params = abstract_params(draft_head.param_specs(head_cfg), jnp.float32, mesh)
-  replicated = NamedSharding(mesh, P())
-  shapes = jax.eval_shape(tx.init, params)
-  opt_sharding = optax.tree_map_params(tx, lambda _, p: p.sharding, shapes, params,
-                                       transform_non_params=lambda _: replicated)
-  opt_state = jax.tree_util.tree_map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                                     shapes, opt_sharding)
-  rng = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0)))
-  return trainer.TrainState(step=jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated), params=params,
-                            opt_state=opt_state, rng=jax.ShapeDtypeStruct(rng.shape, rng.dtype, sharding=replicated))
+  shapes = jax.eval_shape(lambda p: runtime.TrainState(step=jnp.zeros((), jnp.int32), params=p, opt_state=tx.init(p),
+                                                       rng=jax.random.key_data(jax.random.key(0))), params)
+  return jax.tree_util.tree_map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes,
+                                runtime.state_shardings(tx, params, mesh))
 
 
 def memory_row(compiled) -> dict:
@@ -157,16 +151,16 @@ def train_case(name: str, c: ml_collections.ConfigDict, target: Qwen3Config) -> 
   mesh = trainer.build_mesh(c.mesh)
   target = trainer.target_layout(target, c.mesh)
   head_cfg = trainer.build_head_config(c, target, None)
-  tx = trainer.make_optimizer(tc)
+  tx = trainer.optimizer_config(tc).build()
   state = abstract_state(head_cfg, tx, mesh)
   target_params = abstract_params(qwen3.param_specs(target), parse_dtype(tc.target_dtype), mesh)
   batch_sharding = NamedSharding(mesh, P("data", None))
   batch = {k: jax.ShapeDtypeStruct((tc.batch_size, c.data.seq_len), jnp.int32, sharding=batch_sharding)
            for k in trainer.BATCH_FIELDS}
-  step = trainer.compile_step(state, target_params, batch_sharding, target_cfg=target, head_cfg=head_cfg, tc=tc,
+  step = trainer.compile_step(state, target_params, target_cfg=target, head_cfg=head_cfg, tc=tc,
                               tx=tx, mesh=mesh)
   t0 = time.perf_counter()
-  compiled = step.lower(state, target_params, batch).compile()
+  compiled = step.lower(state, batch, target_params).compile()
   row = {"config": name, "program": "train step", "mesh": f"{mesh.shape['data']}x{mesh.shape['model']}",
          **memory_row(compiled), **flops_row(compiled, train_flops(target, head_cfg, tc, c.data.seq_len)),
          "compile_s": time.perf_counter() - t0}

@@ -38,7 +38,8 @@ def main(argv=None) -> int:
   from jetspec_jax import convert
   from jetspec_jax.config import parse_dtype
   from jetspec_jax.tokenizer import load_tokenizer
-  from jetspec_jax.train import data as data_lib, trainer
+  from jetspec_jax.train import records, runtime, trainer
+  from jetspec_jax.train.batching import BatchIterator
   from jetspec_jax.train.config_file import apply_override, load_config
 
   c = load_config(args.config, [o for o in overrides if o.startswith("--config.")])
@@ -56,23 +57,22 @@ def main(argv=None) -> int:
   target_cfg, target_params, side = convert.load_target(c.target, parse_dtype(tc.target_dtype), mesh)
   tok = load_tokenizer(side)
   head_cfg = trainer.build_head_config(c, target_cfg, tok.mask_token_id)
-  rows = data_lib.prepare_dataset(c.data.path, tok, tempfile.mkdtemp(prefix="train_bench_data_"),
-                                  seq_len=c.data.seq_len, pack=c.data.pack)
-  tx = trainer.make_optimizer(tc)
+  rows = records.prepare_dataset(c.data.path, tok, tempfile.mkdtemp(prefix="train_bench_data_"),
+                                 seq_len=c.data.seq_len, pack=c.data.pack)
+  tx = trainer.optimizer_config(tc).build()
   state = trainer.init_state(head_cfg, tx, c.seed, mesh)
   sharding = NamedSharding(mesh, P("data", None))
-  step = trainer.compile_step(state, target_params, sharding, target_cfg=target_cfg, head_cfg=head_cfg, tc=tc,
+  step = trainer.compile_step(state, target_params, target_cfg=target_cfg, head_cfg=head_cfg, tc=tc,
                               tx=tx, mesh=mesh)
-  batches = data_lib.BatchIterator(rows, tc.batch_size // jax.process_count(), seed=0)
+  batches = BatchIterator(rows, tc.batch_size // jax.process_count(), seed=0)
 
   def batch():
-    b = next(batches)
-    return trainer.global_batch({k: b[k] for k in trainer.BATCH_FIELDS}, sharding)
+    return runtime.global_batch(next(batches), sharding, trainer.BATCH_FIELDS)
 
   b0 = batch()
   flops = None
   t0 = time.perf_counter()
-  compiled = step.lower(state, target_params, b0).compile()
+  compiled = step.lower(state, b0, target_params).compile()
   compile_s = time.perf_counter() - t0
   try:
     cost = compiled.cost_analysis()
@@ -85,14 +85,14 @@ def main(argv=None) -> int:
   except Exception as e:                            # memory analysis is best effort on some backends
     temp_gb = None
     print(f"(no memory analysis: {type(e).__name__})", file=sys.stderr)
-  state, m = step(state, target_params, b0)
+  state, m = step(state, b0, target_params)
   jax.block_until_ready(m)
   windows = []
   for _ in range(args.repeats):
     feeds = [batch() for _ in range(args.steps)]
     t0 = time.perf_counter()
     for f in feeds:
-      state, m = step(state, target_params, f)
+      state, m = step(state, f, target_params)
     jax.block_until_ready(m)
     windows.append((time.perf_counter() - t0) / args.steps)
   step_s = statistics.median(windows)

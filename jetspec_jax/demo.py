@@ -76,7 +76,7 @@ QUICK = DemoSettings(tokenizer_texts=300, vocab_size=512, seq_len=96, pretrain_c
 
 
 def _sharegpt_slice(start: int, stop: int):
-  from jetspec_jax.train.data import iter_conversations
+  from jetspec_jax.train.sources import iter_conversations
   return list(itertools.islice(iter_conversations("sharegpt"), start, stop))
 
 
@@ -151,14 +151,13 @@ def build_tokenizer(s: DemoSettings, root: str, out_dir: str, progress: bool) ->
 
 def build_target(s: DemoSettings, root: str, out_dir: str, progress: bool) -> dict:
   from jetspec_jax.tokenizer import load_tokenizer
-  from jetspec_jax.train import data as data_lib
-  from jetspec_jax.train import pretrain
+  from jetspec_jax.train import pretrain, records
   tok_dir = os.path.join(root, "tokenizer")
   tokenizer = load_tokenizer(tok_dir)
   source = os.path.join(root, "pretrain.jsonl")
   _write_jsonl(source, _sharegpt_slice(0, s.pretrain_conversations))
-  rows = data_lib.prepare_dataset(source, tokenizer, os.path.join(root, "pretrain_data"), seq_len=s.seq_len,
-                                  pack=True)
+  rows = records.prepare_dataset(source, tokenizer, os.path.join(root, "pretrain_data"), seq_len=s.seq_len,
+                                 pack=True)
   cfg = pretrain.default_demo_config(len(tokenizer), tokenizer.eos_token_id, tokenizer.pad_token_id,
                                      hidden_size=s.target_hidden, num_layers=s.target_layers)
   info = pretrain.pretrain_target(cfg, rows, out_dir, steps=s.pretrain_steps, batch_size=s.pretrain_batch,

@@ -143,14 +143,14 @@ def test_json_mode_keeps_library_chatter_off_stdout(tmp_path, capfd, monkeypatch
   """`train --json` prepares a TFDS dataset, which prints "Downloading and preparing dataset ..." to stdout,
   and native code may write to file descriptor 1: all of it goes to stderr, and stdout is the JSON object."""
   import trainer_world
-  from jetspec_jax.train import data
+  from jetspec_jax.train import records
   world = trainer_world.build(str(tmp_path / "world"))
-  prepare = data.prepare_dataset
+  prepare = records.prepare_dataset
 
   def prepare_and_write_to_fd_1(*args, **kwargs):
     os.write(1, b"native chatter on fd 1\n")
     return prepare(*args, **kwargs)
-  monkeypatch.setattr(data, "prepare_dataset", prepare_and_write_to_fd_1)
+  monkeypatch.setattr(records, "prepare_dataset", prepare_and_write_to_fd_1)
   overrides = {"target": world["target"], "data.path": world["data"], "output_dir": tmp_path / "run",
                "data.seq_len": 32, "train.batch_size": 2, "train.num_anchors": 2, "train.chunk_anchors": 2,
                "head.block_size": 2, "data.eval_examples": 0, "eval.every": 0, "train.steps": 1,

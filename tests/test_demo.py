@@ -12,11 +12,12 @@ import numpy as np
 import pytest
 
 from jetspec_jax import bench, convert, demo, stages
+from jetspec_jax.checkpoint import CheckpointStore
 from jetspec_jax.decode.generation import Generator, acceptance
 from jetspec_jax.decode.speculative import TreeConfig
 from jetspec_jax.models import draft_head, qwen3
 from jetspec_jax.tokenizer import load_tokenizer
-from jetspec_jax.train import trainer
+from jetspec_jax.train import runtime, trainer
 
 
 @pytest.fixture(scope="module")
@@ -93,12 +94,11 @@ def test_exported_head_reloads_with_identical_logits(result):
   run_dir = result["stages"]["train_head"]["output_dir"]
   cfg, tp, _ = convert.load_target(os.path.join(result["workdir"], "target_ckpt"), jnp.float32)
   head_cfg, exported = convert.load_head(os.path.join(run_dir, "head_hf"), target_cfg=cfg)
-  tx = trainer.make_optimizer(trainer.ml_collections.ConfigDict(
-      {"warmup_frac": 0.04, "steps": 1, "learning_rate": 1e-3, "final_lr_frac": 0.0, "clip_norm": 1.0,
-       "weight_decay": 0.0, "grad_accum": 1}))
+  tx = runtime.OptimizerConfig(steps=1, learning_rate=1e-3, warmup_frac=0.04, final_lr_frac=0.0, clip_norm=1.0,
+                               weight_decay=0.0).build()
   mesh = trainer.make_mesh(1, 1, jax.devices()[:1])
-  store = trainer.CheckpointStore(os.path.join(run_dir, "checkpoints"), keep=3)
-  state, _ = store.restore(store.latest_step(), trainer.abstract_like(trainer.init_state(head_cfg, tx, 0, mesh)))
+  store = CheckpointStore(os.path.join(run_dir, "checkpoints"), keep=3)
+  state, _ = store.restore(store.latest_step(), runtime.abstract(trainer.init_state(head_cfg, tx, 0, mesh)))
   store.close()
   feats = jnp.asarray(np.random.default_rng(0).normal(size=(1, 6, len(head_cfg.target_layer_ids) * cfg.hidden_size)),
                       jnp.float32)

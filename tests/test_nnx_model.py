@@ -146,7 +146,7 @@ def test_checkpoint_of_the_previous_layout_says_to_convert_again(tmp_path):
 
 
 def test_training_checkpoint_of_the_previous_layout_is_not_resumed(tmp_path):
-  from jetspec_jax.train.trainer import CheckpointStore
+  from jetspec_jax.checkpoint import CheckpointStore
   store = CheckpointStore(str(tmp_path), keep=2)
   state = {"step": jnp.zeros((), jnp.int32), "params": {"fc": jnp.ones((4, 2)), "final_norm": jnp.ones(2)}}
   store.save(3, state, {"step": 3})

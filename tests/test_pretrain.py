@@ -15,7 +15,10 @@ from jetspec_jax.errors import JetSpecError
 from jetspec_jax.models import qwen3
 from jetspec_jax.sharding import make_mesh
 from jetspec_jax.tokenizer import load_tokenizer, train_chat_tokenizer
-from jetspec_jax.train import data, pretrain
+from jetspec_jax.train import pretrain
+from jetspec_jax.train.batching import pad_rows
+from jetspec_jax.train.chat import ChatEncoder
+from jetspec_jax.train.records import prepare_dataset
 
 WORDS = ("the cat sat on a mat while the dog ran to the park and a bird sang in the tree "
          "one two three four five six seven eight nine ten red green blue yellow").split()
@@ -54,7 +57,7 @@ def world(tmp_path_factory):
     for c in convs:
       f.write(json.dumps({"messages": c}) + "\n")
   tok = load_tokenizer(tok_dir)
-  rows = data.prepare_dataset(str(jsonl), tok, str(root / "data"), seq_len=SEQ_LEN, pack=True)
+  rows = prepare_dataset(str(jsonl), tok, str(root / "data"), seq_len=SEQ_LEN, pack=True)
   return {"root": root, "tok_dir": tok_dir, "tok": tok, "rows": rows, "convs": convs}
 
 
@@ -93,7 +96,7 @@ def test_export_is_a_hugging_face_qwen3_matching_our_forward(world, trained):
   model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
   cfg, params, side = convert.load_target(out, jnp.float32)
   assert side == out and cfg.eos_token_ids == (tok.eos_token_id,)
-  ids = np.asarray(data.ChatEncoder(tok).encode(world["convs"][0])[0])[None, :40]
+  ids = np.asarray(ChatEncoder(tok).encode(world["convs"][0])[0])[None, :40]
   with torch.no_grad():
     ref = model(torch.tensor(ids, dtype=torch.long)).logits.numpy()
   n = ids.shape[1]
@@ -105,14 +108,14 @@ def test_export_is_a_hugging_face_qwen3_matching_our_forward(world, trained):
 
 def test_packed_row_equals_separate_rows(world, trained):
   cfg, params, _ = convert.load_target(trained["out_dir"], jnp.float32)
-  encoded = [data.ChatEncoder(world["tok"]).encode(c) for c in world["convs"][:3]]
+  encoded = [ChatEncoder(world["tok"]).encode(c) for c in world["convs"][:3]]
   rows = [{"input_ids": ids, "loss_mask": m, "segment_lengths": np.array([len(ids)], np.int32)} for ids, m in encoded]
   packed_row = {"input_ids": np.concatenate([r["input_ids"] for r in rows]),
                 "loss_mask": np.concatenate([r["loss_mask"] for r in rows]),
                 "segment_lengths": np.array([len(r["input_ids"]) for r in rows], np.int32)}
   length = int(sum(packed_row["segment_lengths"])) + 5            # some padding too
-  packed = data.pad_rows([packed_row], length, world["tok"].pad_token_id)
-  separate = data.pad_rows(rows, length, world["tok"].pad_token_id)
+  packed = pad_rows([packed_row], length, world["tok"].pad_token_id)
+  separate = pad_rows(rows, length, world["tok"].pad_token_id)
   ce_p, valid_p = jax.device_get(token_losses(params, cfg, packed))
   ce_s, valid_s = jax.device_get(token_losses(params, cfg, separate))
   assert valid_p.sum() == valid_s.sum() == sum(len(r["input_ids"]) - 1 for r in rows)

@@ -13,7 +13,9 @@ from jetspec_jax.config import Qwen3Config
 from jetspec_jax.decode.generation import Generator
 from jetspec_jax.errors import JetSpecError
 from jetspec_jax.models import qwen3
-from jetspec_jax.train import data, regenerate as regen
+from jetspec_jax.train import regenerate as regen
+from jetspec_jax.train.chat import ChatEncoder
+from jetspec_jax.train.records import prepare_dataset
 
 MAX_NEW = 6
 WORDS = "the cat dog sat on a mat and ran to why how is you we answer 1 2 3 , . ?".split()
@@ -56,7 +58,7 @@ def target(tok):
   params = {name: jnp.asarray(1.0 + 0.2 * rng.standard_normal(spec.shape) if spec.axes == ("norm",)
                               else 0.3 * rng.standard_normal(spec.shape), jnp.float32)
             for name, spec in qwen3.param_specs(cfg).items()}
-  prompt = data.ChatEncoder(tok).prompt_ids(source_conversations()[0][:1])
+  prompt = ChatEncoder(tok).prompt_ids(source_conversations()[0][:1])
   first = Generator(cfg, params, eos_ids=()).generate([prompt], MAX_NEW).tokens[0]
   return Qwen3Config(**{**cfg.__dict__, "eos_token_ids": (first[2],)}), params
 
@@ -105,7 +107,7 @@ def test_regenerate_resumes_exactly_once_and_matches_greedy(tmp_path, tok, targe
 
   rows = read_rows(out)
   assert [r["index"] for r in rows] == [0, 1, 2, 3, 4, 5, 6, 8, 9]   # each once; 7 has no user prompt
-  enc = data.ChatEncoder(tok)
+  enc = ChatEncoder(tok)
   eos = tuple(sorted({*cfg.eos_token_ids, tok.eos_token_id, tok.pad_token_id}))
   prompts, contents = [], []
   for r in rows:
@@ -138,7 +140,7 @@ def test_regenerate_resumes_exactly_once_and_matches_greedy(tmp_path, tok, targe
   assert any(len(ids) == MAX_NEW and ids[-1] not in eos for ids in reference)
 
   # The output is a dataset the data module reads.
-  prepared = data.prepare_dataset(out, tok, str(tmp_path / "tfds"), seq_len=128)
+  prepared = prepare_dataset(out, tok, str(tmp_path / "tfds"), seq_len=128)
   assert len(prepared) == len(rows)
 
 

@@ -95,14 +95,14 @@ def test_two_processes_follow_the_single_process_loss_curve(world, tmp_path):
 def test_packed_rows_train(world, tmp_path):
   """data.pack=True: rows hold several conversations, and training on them runs and learns."""
   from jetspec_jax.tokenizer import load_tokenizer
-  from jetspec_jax.train import data as data_lib
+  from jetspec_jax.train import records
   out = tmp_path / "packed"
   summary = trainer.run(trainer_world.tiny_config(world, str(out), **{"train.steps": 6, "data.pack": True,
                                                                          "data.seq_len": 128, "train.learning_rate": 0.01}),
                         progress=False)
   assert summary["step"] == 6 and os.path.isdir(summary["head_dir"])
-  rows = data_lib.prepare_dataset(world["data"], load_tokenizer(world["tokenizer"]), str(out / "data"), seq_len=128,
-                                  pack=True)
+  rows = records.prepare_dataset(world["data"], load_tokenizer(world["tokenizer"]), str(out / "data"), seq_len=128,
+                                 pack=True)
   assert max(len(rows.read([i])[0]["segment_lengths"]) for i in range(len(rows))) >= 2
   curve = losses(str(out))
   assert all(np.isfinite(curve)) and curve[-1] < curve[0]

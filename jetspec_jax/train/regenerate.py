@@ -8,7 +8,7 @@ in the source), each the regenerated source conversations ``[start, end)``, writ
 name and renamed when complete, plus ``regenerate.json`` (the settings). A regenerated assistant
 message keeps the ids the target generated (``token_ids``, EOS excluded) beside their text, and the
 data module trains on those ids. A rerun with the same settings skips complete chunks, so an
-interrupted run continues without losing or repeating rows; ``train.data.read_jsonl(out_dir)``
+interrupted run continues without losing or repeating rows; ``train.sources.read_jsonl(out_dir)``
 reads the result.
 
 In a multi-process job (``jetspec_jax.distributed.initialize``) every process runs the same
@@ -33,7 +33,8 @@ from jetspec_jax.decode.generation import Generator, SamplingConfig
 from jetspec_jax.distributed import from_first_process
 from jetspec_jax.errors import JetSpecError
 from jetspec_jax.tokenizer import IM_END, PAD, load_tokenizer
-from jetspec_jax.train.data import ChatEncoder, Conversation, iter_conversations
+from jetspec_jax.train.chat import ChatEncoder
+from jetspec_jax.train.sources import Conversation, iter_conversations
 
 MANIFEST = "regenerate.json"
 CHUNK_RE = re.compile(r"^chunk-(\d{9})-(\d{9})\.jsonl$")
@@ -135,7 +136,7 @@ def regenerate(target, source: str, out_dir: str, *, max_new_tokens: int = 1024,
                temperature: float = 0.0, seed: int = 0, limit: int | None = None, chunk_size: int = 1024,
                max_turns: int = 1, enable_thinking: bool = False, max_prompt_tokens: int | None = None,
                mesh=None, progress: bool = True) -> dict:
-  """Replace the responses of ``source`` (see ``data.iter_conversations``) by the target's own.
+  """Replace the responses of ``source`` (see ``sources.iter_conversations``) by the target's own.
 
   ``target``: a target path (HF directory or converted checkpoint, tokenizer beside it) or a loaded
   ``(cfg, params, tokenizer)``. Up to ``limit`` source conversations are processed, ``chunk_size``
