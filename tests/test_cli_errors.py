@@ -183,3 +183,17 @@ def test_fp8_weights_are_refused_by_name(target, tmp_path, capsys):
   tensors = {k: v.to(torch.float8_e4m3fn) if "q_proj" in k else v for k, v in load_file(path).items()}
   save_file(tensors, path, metadata={"format": "pt"})
   one_sentence(capsys, "convert", bad, str(tmp_path / "out"), phrases=("stored as F8_E4M3", "float32, bfloat16"))
+
+
+def test_a_missing_extra_is_named_with_its_install_command(target, tmp_path, capsys, monkeypatch):
+  """Without the [data] extra, the first import of the record builder (train, demo) ends in one sentence
+  that names the extra (simulated: tensorflow_datasets blocked, the records module not yet imported)."""
+  import sys
+  monkeypatch.setitem(sys.modules, "tensorflow_datasets", None)
+  monkeypatch.delitem(sys.modules, "jetspec_jax.train.records", raising=False)
+
+  def convert_that_reads_records(args):
+    from jetspec_jax.train import records  # noqa: F401
+  monkeypatch.setattr(cli, "cmd_convert", convert_that_reads_records)
+  one_sentence(capsys, "convert", target, str(tmp_path / "out"),
+               phrases=("needs tensorflow_datasets", "[data] extra", "pip install 'jetspec-jax[data]'"))

@@ -142,8 +142,7 @@ def eval_prompts(rows, count: int) -> list[list[int]]:
 def evaluate_tau(target_params, target_cfg, head_params, head_cfg, prompts, ec, compute_dtype, mesh=None) -> dict:
   """tau and tokens/s of the current head on held-out prompts (greedy speculative decoding over the
   training mesh; in a multi-process run every process runs it on the same prompts)."""
-  from jetspec_jax.decode.generation import acceptance
-  from jetspec_jax.decode.generation import Generator
+  from jetspec_jax.decode.generation import Generator, acceptance
   from jetspec_jax.decode.speculative import TreeConfig
   params = jax.tree_util.tree_map(lambda x: x.astype(compute_dtype), head_params)
   tree = TreeConfig(ec.tree, ec.budget, ec.width, head_cfg.depth)
