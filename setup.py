@@ -28,7 +28,7 @@ setup(
     extras_require={
         "data": DATA,
         "demo": DEMO,
-        "test": DEMO + ["pytest>=8", "torch==2.13.0", "transformers==5.24.0"],
+        "test": DEMO + ["pytest>=8", "pytest-xdist>=3", "torch==2.13.0", "transformers==5.24.0"],
     },
     entry_points={"console_scripts": ["jetspec-jax=jetspec_jax.cli:main"]},
 )

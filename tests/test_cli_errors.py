@@ -189,8 +189,10 @@ def test_a_missing_extra_is_named_with_its_install_command(target, tmp_path, cap
   """Without the [data] extra, the first import of the record builder (train, demo) ends in one sentence
   that names the extra (simulated: tensorflow_datasets blocked, the records module not yet imported)."""
   import sys
+  import jetspec_jax.train
   monkeypatch.setitem(sys.modules, "tensorflow_datasets", None)
   monkeypatch.delitem(sys.modules, "jetspec_jax.train.records", raising=False)
+  monkeypatch.delattr(jetspec_jax.train, "records", raising=False)     # set by an earlier import
 
   def convert_that_reads_records(args):
     from jetspec_jax.train import records  # noqa: F401
