@@ -34,17 +34,6 @@ def pytest_configure(config):
   cache.use_compilation_cache(config._xla_cache_dir)
 
 
-# The longest files (minutes each, measured on 2 cores): collected first, so that with two workers
-# (scripts/test.sh: whole files per worker, handed out in collection order) neither ends alone on one.
-LONGEST_FIRST = ("test_demo.py", "test_trainer.py", "test_regenerate.py", "test_decode_attention.py",
-                 "test_speculative.py", "test_sampling.py", "test_gpu_check.py", "test_hf4_compat.py")
-
-
-def pytest_collection_modifyitems(items):
-  rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-  items.sort(key=lambda item: rank.get(item.path.name, len(rank)))      # stable: file order otherwise kept
-
-
 def pytest_unconfigure(config):
   shutil.rmtree(getattr(config, "_xla_cache_dir", ""), ignore_errors=True)
 
