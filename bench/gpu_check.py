@@ -13,8 +13,8 @@ row also gives the roofline floor max(bytes / HBM bandwidth, FLOPs / peak bf16 t
 bound sets it, and the kernel's fraction of that floor.
 
 Tune section (second): ``pallas_kernels/kernel_tune.py``'s sweep of launch configurations; the tuning
-table it gives is saved as $OUT/kernel_tuning.json and made the active one for the model sections that
-follow (``--keep-tuning``: not). Phases section: each phase of a round timed alone, through the functions
+table it gives is saved as $OUT/kernel_tuning.json and passed (in the ``AttentionImpl``) to the model
+sections that follow (``--keep-tuning``: not). Phases section: each phase of a round timed alone, through the functions
 the decode loops run (``verify.verify_tree``, the head's ``draft_logits``, ``tree.build_tree``). Decode
 section: ms per AR step and per speculative round on a Qwen3-8B-shaped random-weight model.
 Profile section: the same model's decode loops under ``jax.profiler``, summarized per round by
