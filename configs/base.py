@@ -56,9 +56,11 @@ def base_config() -> ml_collections.ConfigDict:
   c.eval = ml_collections.ConfigDict()
   c.eval.every = 500                  # 0: only at the end
   c.eval.max_new_tokens = 64
-  c.eval.tree = "accum_logp"
+  c.eval.tree = "accum_logp"          # any tree method (decode.tree.TREE_METHODS)
   c.eval.budget = 16
   c.eval.width = 4
+  c.eval.tree_profile = ""            # acceptance profile for rank_caps / calibrated / static ("" = none)
+  c.eval.online = "off"               # calibrated trees: off | batch | sequence
 
   c.log_every = 10
   c.export_dtype = "bfloat16"

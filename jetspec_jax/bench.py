@@ -33,7 +33,20 @@ import numpy as np
 from jetspec_jax.errors import JetSpecError
 
 BANKS = ("humaneval", "sharegpt")
-MODE_PREFIX = {"accum_logp": "tree", "top2gap": "top2gap", "best_nodes": "best"}   # tree mode names: <prefix>_b<N>
+MODE_PREFIX = {"accum_logp": "tree", "top2gap": "top2gap", "best_nodes": "best", "rank_caps": "caps",
+               "calibrated": "cal", "static": "static"}   # tree mode names: <prefix>_b<N> (cal_online_b<N>: online)
+
+
+def tree_variant(method: str, budget: int, width: int, depth: int, tree_options: dict | None = None):
+  """(mode name, TreeConfig) of one tree of a sweep: ``tree_options`` (TreeConfig's profile and calibration
+  fields) go to the methods that read them (``online`` to ``calibrated`` only)."""
+  from jetspec_jax.decode.speculative import TreeConfig
+  from jetspec_jax.decode.tree import PROFILE_METHODS
+  opts = dict(tree_options or {}) if method in PROFILE_METHODS else {}
+  if method != "calibrated":
+    opts.pop("online", None)
+  online = opts.get("online", "off") != "off"
+  return f"{MODE_PREFIX[method]}{'_online' if online else ''}_b{budget}", TreeConfig(method, budget, width, depth, **opts)
 
 
 def _chat_prompt_ids(tokenizer, user_text: str) -> list[int]:
@@ -77,10 +90,12 @@ def prompt_texts(bank: str, limit: int, offset: int = 0) -> list[str]:
   return texts[offset:offset + limit]
 
 
-def prompt_bank(bank: str, tokenizer, *, num_prompts: int, prompt_len: int, offset: int = 0) -> list[list[int]]:
-  """Chat-templated prompt ids, each left-truncated to exactly ``prompt_len`` tokens."""
+def prompt_bank(bank: str, tokenizer, *, num_prompts: int, prompt_len: int, offset: int = 0,
+                stop: int | None = None) -> list[list[int]]:
+  """Chat-templated prompt ids, each left-truncated to exactly ``prompt_len`` tokens, from the bank's prompts
+  ``offset`` on (those shorter skipped; none from ``stop`` on)."""
   out = []
-  for text in prompt_texts(bank, 20 * num_prompts + 20, offset):
+  for text in prompt_texts(bank, 20 * num_prompts + 20 if stop is None else stop - offset, offset):
     ids = _chat_prompt_ids(tokenizer, text)
     if len(ids) >= prompt_len:
       out.append(ids[-prompt_len:])
@@ -112,9 +127,11 @@ def time_mode(run_batch, prompts, batch_size: int, repeats: int) -> dict:
 def run(target_params, cfg, head_params, head_cfg, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
         budgets: Sequence[int] = (16, 32, 64), width: int = 7, depth: int | None = None,
         methods: Sequence[str] = ("accum_logp",), batch_size: int = 1, repeats: int = 3, eos_ids=None,
-        attn_impl: str = "xla", mesh=None, hf_dir: str | None = None, progress=print) -> dict:
+        attn_impl: str = "xla", mesh=None, hf_dir: str | None = None, tree_options: dict | None = None,
+        progress=print) -> dict:
   """AR, chain and, for each tree method, a tree per budget, on the same prompts; returns the result dict
-  (see module doc). Tree modes are named ``<prefix>_b<budget>`` (``MODE_PREFIX``: tree_b16 is accum_logp)."""
+  (see module doc). Tree modes are named ``<prefix>_b<budget>`` (``MODE_PREFIX``: tree_b16 is accum_logp);
+  ``tree_options``: see ``tree_variant``."""
   from jetspec_jax.decode.generation import Generator, acceptance
   from jetspec_jax.decode.speculative import TreeConfig
   depth = head_cfg.depth if depth is None else depth
@@ -123,7 +140,7 @@ def run(target_params, cfg, head_params, head_cfg, prompts: Sequence[Sequence[in
     raise JetSpecError(f"batch size {batch_size} exceeds the {len(prompts)} prompt(s) found; lower --batch-size "
                        f"or raise --num-prompts")
   trees = [("chain", TreeConfig("chain", 1, 1, depth))] + [
-      (f"{MODE_PREFIX[method]}_b{b}", TreeConfig(method, b, width, depth)) for method in methods for b in budgets]
+      tree_variant(method, b, width, depth, tree_options) for method in methods for b in budgets]
   generators = {name: Generator(cfg, target_params, head_cfg=head_cfg, head_params=head_params, tree=tree,
                                 eos_ids=eos_ids, attn_impl=attn_impl, mesh=mesh)
                 for name, tree in trees}          # validated before AR is timed, not after
@@ -151,6 +168,22 @@ def run(target_params, cfg, head_params, head_cfg, prompts: Sequence[Sequence[in
     result["transformers"] = transformers_baseline(hf_dir, prompts, max_new_tokens, repeats, eos_ids)
     modes["ar"]["speedup_vs_transformers"] = modes["ar"]["tokens_per_s"] / result["transformers"]["tokens_per_s"]
   return result
+
+
+def collect_profile(target_params, cfg, head_params, head_cfg, prompts: Sequence[Sequence[int]], tree, *,
+                    max_new_tokens: int, batch_size: int = 1, eos_ids=None, attn_impl: str = "xla", mesh=None,
+                    progress=None):
+  """Greedy speculative generation of ``prompts`` with ``tree``: (``AcceptanceProfile`` of all rounds, tau)."""
+  from jetspec_jax.decode.generation import Generator, acceptance, acceptance_profile
+  gen = Generator(cfg, target_params, head_cfg=head_cfg, head_params=head_params, tree=tree, eos_ids=eos_ids,
+                  attn_impl=attn_impl, mesh=mesh)
+  batches = [list(map(list, prompts[i:i + batch_size])) for i in range(0, len(prompts), batch_size)]
+  outs = []
+  for n, b in enumerate(batches, 1):
+    outs.append(gen.generate(b, max_new_tokens))
+    if progress is not None:
+      progress(f"profiled batch {n}/{len(batches)}")
+  return acceptance_profile(outs), acceptance(outs)["tau"]
 
 
 def transformers_baseline(hf_dir: str, prompts, max_new_tokens: int, repeats: int, eos_ids) -> dict:

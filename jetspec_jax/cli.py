@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import ctypes
 import json
 import os
@@ -121,6 +120,14 @@ def _check_positions(cfg, what: str, prompt_len: int, max_new_tokens: int) -> No
                        f"max_position_embeddings ({cfg.max_position_embeddings})")
 
 
+def _tree_options(args) -> dict:
+  """TreeConfig's profile and calibration fields from the tree flags (``tree_flags``)."""
+  from jetspec_jax.decode import profile
+  return dict(profile=None if args.tree_profile is None else profile.load(args.tree_profile),
+              cap_threshold=args.cap_threshold, prior_strength=args.prior_strength,
+              online=args.online)
+
+
 def cmd_generate(args) -> dict:
   import jax
   from jetspec_jax.convert import load_head, load_target, read_target_config
@@ -155,7 +162,8 @@ def cmd_generate(args) -> dict:
   head = {}
   if args.head:
     head_cfg, head_params = load_head(args.head, dtype, mesh, target_cfg=cfg)
-    tree = TreeConfig(args.tree, args.budget, args.width, head_cfg.depth if args.depth is None else args.depth)
+    tree = TreeConfig(args.tree, args.budget, args.width, head_cfg.depth if args.depth is None else args.depth,
+                      **_tree_options(args))
     head = dict(head_cfg=head_cfg, head_params=head_params, tree=tree)
   generator = Generator(cfg, params, sampling_cfg=sampling_cfg, eos_ids=eos, attn_impl=impl, mesh=mesh, **head)
   out = generator.generate([ids], args.max_new_tokens)
@@ -166,7 +174,7 @@ def cmd_generate(args) -> dict:
          "tokens_per_s": len(tokens) / max(out.decode_s + out.prefill_s, 1e-9),
          "sampling": generator.sampling.describe()}
   if args.head:
-    res.update(acceptance([out]), tree=dataclasses.asdict(tree) | {"num_nodes": tree.num_nodes()})
+    res.update(acceptance([out]), tree=tree.describe())
   if tokenizer is None and os.path.isfile(os.path.join(side, "tokenizer.json")):
     tokenizer = _load_tokenizer(side)
   if tokenizer is not None:
@@ -236,7 +244,7 @@ def cmd_bench(args) -> dict:
     results[os.path.basename(bank)] = bench.run(
         params, cfg, head_params, head_cfg, prompts, max_new_tokens=args.max_new_tokens, budgets=budgets,
         width=args.width, depth=args.depth, methods=args.tree or ["accum_logp"], batch_size=args.batch_size,
-        repeats=args.repeats,
+        repeats=args.repeats, tree_options=_tree_options(args),
         eos_ids=None if args.stop_at_eos else (), attn_impl=impl, mesh=mesh,
         hf_dir=side if args.transformers and not os.path.isdir(os.path.join(side, "params")) else None,
         progress=say)
@@ -246,6 +254,51 @@ def cmd_bench(args) -> dict:
     res.setdefault("plots", {})[name] = bench.plots(r, os.path.join(args.out, name))
   _emit(args, res, "\n\n".join(f"[{name}]\n{bench.table(r)}" for name, r in results.items())
         + f"\n\nJSON and plots in {os.path.abspath(args.out)}")
+  return res
+
+
+def cmd_profile(args) -> dict:
+  from jetspec_jax import bench
+  from jetspec_jax.convert import load_head, load_target, read_target_config
+  from jetspec_jax.decode import profile
+  from jetspec_jax.decode.speculative import TreeConfig
+  for flag, value in (("--num-prompts", args.num_prompts), ("--prompt-len", args.prompt_len),
+                      ("--max-new-tokens", args.max_new_tokens), ("--batch-size", args.batch_size)):
+    if value < 1:
+      raise JetSpecError(f"{flag} must be at least 1, got {value}")
+  if args.prompt_offset < 0:
+    raise JetSpecError(f"--prompt-offset must be >= 0, got {args.prompt_offset}")
+  out = args.out or os.path.join(args.head, profile.PROFILE_FILE)
+  if not os.path.isdir(os.path.dirname(os.path.abspath(out))):
+    raise JetSpecError(f"the directory of --out {out} does not exist")
+  impl = _attention(args)
+  _check_positions(read_target_config(args.target)[0], f"--prompt-len {args.prompt_len}", args.prompt_len,
+                   args.max_new_tokens)
+  mesh = _mesh(args)
+  cfg, params, side = load_target(args.target, _dtype(args.dtype), mesh)
+  head_cfg, head_params = load_head(args.head, _dtype(args.dtype), mesh, target_cfg=cfg)
+  tree = TreeConfig(args.tree, args.budget, args.width, head_cfg.depth if args.depth is None else args.depth)
+  tokenizer = _load_tokenizer(side)
+  say = (lambda *a: None) if args.json else (lambda m: print(f"  {m}", file=sys.stderr, flush=True))
+  prompts = []
+  for bank in args.bank:
+    prompts += bench.prompt_bank(bank, tokenizer, num_prompts=args.num_prompts, prompt_len=args.prompt_len,
+                                 offset=args.prompt_offset)
+  prof, tau = bench.collect_profile(params, cfg, head_params, head_cfg, prompts, tree,
+                                    max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, eos_ids=(),
+                                    attn_impl=impl, mesh=mesh, progress=say)
+  meta = {"tree": tree.describe(), "banks": args.bank, "prompts": len(prompts), "prompt_offset": args.prompt_offset,
+          "prompt_len": args.prompt_len, "max_new_tokens": args.max_new_tokens, "sampling": "greedy", "tau": tau,
+          "head": os.path.abspath(args.head), "target": os.path.abspath(args.target)}
+  prof.save(out, meta)
+  acc = prof.acceptance()
+  res = {"profile": os.path.abspath(out), "rounds": prof.visits[0], "tau": tau, "visits": list(prof.visits),
+         "acceptance": acc.tolist()}
+  rows = [{"depth": d + 1, "visits": prof.visits[d]} | {f"r{r}": float(acc[d, r]) for r in range(prof.width)}
+          for d in range(prof.depth)]
+  from jetspec_jax.bench import format_table
+  _emit(args, res, format_table(rows) + f"\n{len(prompts)} prompts, {prof.visits[0]} rounds, tau {tau:.2f} "
+                   f"({tree.method}, budget {tree.budget}); profile in {os.path.abspath(out)}")
   return res
 
 
@@ -270,6 +323,19 @@ def build_parser() -> argparse.ArgumentParser:
     if mesh:
       sp.add_argument("--mesh", help="device mesh DATAxMODEL, e.g. 2x4 (default: one device; in a multi-process "
                                      "regenerate, all devices on data)")
+
+  def tree_flags(sp):
+    sp.add_argument("--tree-profile", metavar="PATH", help="acceptance profile (JSON from `jetspec-jax profile`, or "
+                                                          "the head directory holding it) for rank_caps, calibrated "
+                                                          "and static trees")
+    sp.add_argument("--online", default="off", choices=["off", "batch", "sequence"],
+                    help="calibrated trees: update the acceptance counts on device every round, over the batch or "
+                         "per sequence")
+    sp.add_argument("--prior-strength", type=float, default=16.0,
+                    help="calibrated trees: pseudo-rounds pulling the calibration towards the draft's own "
+                         "probabilities")
+    sp.add_argument("--cap-threshold", type=float, default=0.02,
+                    help="rank_caps trees: keep the ranks whose profiled acceptance is at least this")
 
   def attention_flags(sp):
     sp.add_argument("--attention", default="auto", help="auto (pallas on GPU, else xla) | xla | pallas | pallas_interpret")
@@ -312,6 +378,7 @@ def build_parser() -> argparse.ArgumentParser:
   g.add_argument("--budget", type=int, default=64, help="tree node budget (counts the root)")
   g.add_argument("--width", type=int, default=7, help="top-W tokens per depth")
   g.add_argument("--depth", type=int, default=None, help="draft depth (default: block_size - 1)")
+  tree_flags(g)
   attention_flags(g)
   common(g)
   g.set_defaults(fn=cmd_generate)
@@ -351,10 +418,33 @@ def build_parser() -> argparse.ArgumentParser:
   b.add_argument("--stop-at-eos", action="store_true", help="stop at EOS (default: always max-new-tokens)")
   b.add_argument("--transformers", action="store_true", help="also time transformers greedy generate (HF dir)")
   b.add_argument("--dtype", default="float32")
+  tree_flags(b)
   attention_flags(b)
   b.add_argument("--out", default="bench_out")
   common(b)
   b.set_defaults(fn=cmd_bench)
+
+  pr = sub.add_parser("profile", help="measure the per-(depth, rank) acceptance of a head (JSON beside the head)")
+  pr.add_argument("--target", required=True)
+  pr.add_argument("--head", required=True)
+  pr.add_argument("--bank", action="append", default=None,
+                  help="humaneval | sharegpt | a JSONL of prompts (repeatable; default humaneval and sharegpt)")
+  pr.add_argument("--num-prompts", type=int, default=16, help="prompts per bank")
+  pr.add_argument("--prompt-offset", type=int, default=64,
+                  help="skip this many prompts of each bank (keep them disjoint from the bench's, which start at 0)")
+  pr.add_argument("--prompt-len", type=int, default=64)
+  pr.add_argument("--max-new-tokens", type=int, default=64)
+  pr.add_argument("--tree", default="best_nodes", choices=[m for m in TREE_METHODS if m not in ("chain", "static")],
+                  help="tree of the profiling run (a deep one observes more depths)")
+  pr.add_argument("--budget", type=int, default=64)
+  pr.add_argument("--width", type=int, default=7, help="ranks profiled per depth (at least the width of later trees)")
+  pr.add_argument("--depth", type=int, default=None)
+  pr.add_argument("--batch-size", type=int, default=1)
+  pr.add_argument("--dtype", default="float32")
+  pr.add_argument("--out", help="profile JSON (default: HEAD/acceptance_profile.json)")
+  attention_flags(pr)
+  common(pr)
+  pr.set_defaults(fn=cmd_profile)
 
   d = sub.add_parser("demo", help="the embedded default pipeline on a small model")
   d.add_argument("--workdir", default=None, help="where artifacts go (default: $JETSPEC_CACHE or ~/.cache/jetspec-jax)")
@@ -371,7 +461,7 @@ def main(argv=None) -> int:
   if len(overrides) != len(extra) or (overrides and args.command != "train"):
     parser.error(f"unrecognized arguments: {' '.join(a for a in extra if a not in overrides) or ' '.join(extra)}")
   args.overrides = overrides
-  if args.command == "bench" and not args.bank:
+  if args.command in ("bench", "profile") and not args.bank:
     args.bank = ["humaneval", "sharegpt"]
   try:
     with stdout_to_stderr() if args.json else contextlib.nullcontext():    # library chatter: not the JSON

@@ -115,8 +115,7 @@ def test_decode_loops_lower_for_cuda_with_the_kernel(triton_modules):
                             attn_impl="xla", tap_layers=hcfg.target_layer_ids)
   draft_cache = speculative.prefill_context(hp, draft_head.init_context_cache(hcfg, 2, draft_len, hp["fc"].dtype),
                                             taps, head_cfg=hcfg)
-  state = speculative.SpecState(base=base, draft_cache=draft_cache, rounds=jax.numpy.zeros((2,), "int32"),
-                                depth_hist=jax.numpy.zeros((2, TREE.depth + 1), "int32"))
+  state = speculative.init_state(base, draft_cache, TREE)
   with cuda_target():
     lowered = {
         "speculative": speculative.spec_decode.trace(tp, hp, state, cfg=CFG, head_cfg=hcfg, tree_cfg=TREE,

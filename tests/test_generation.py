@@ -76,7 +76,7 @@ def test_no_host_transfer_inside_the_decode_loop(speculative_mode):
 @pytest.mark.parametrize("speculative_mode", [False, True], ids=["ar", "speculative"])
 def test_transfer_guard_and_fetch_hooks(speculative_mode, monkeypatch):
   """``transfer_guard`` wraps each decode call in the device-to-host guard at that level; ``on_fetch`` sees the
-  arrays of the one final fetch (3 AR, 5 speculative); the tokens are those of an uninstrumented Generator."""
+  arrays of the one final fetch (3 AR, 8 speculative); the tokens are those of an uninstrumented Generator."""
   target, head = weights()
   kw = dict(head_cfg=HEAD, head_params=head, tree=TREE) if speculative_mode else {}
   levels, fetches = [], []
@@ -84,7 +84,7 @@ def test_transfer_guard_and_fetch_hooks(speculative_mode, monkeypatch):
   monkeypatch.setattr(jax, "transfer_guard_device_to_host", lambda level: levels.append(level) or guard(level))
   gen = Generator(CFG, target, eos_ids=(), transfer_guard="disallow", on_fetch=fetches.append, **kw)
   out = gen.generate(PROMPTS, 8)
-  assert levels == ["disallow"] and [len(f) for f in fetches] == [5 if speculative_mode else 3]
+  assert levels == ["disallow"] and [len(f) for f in fetches] == [8 if speculative_mode else 3]
   assert all(isinstance(a, jax.Array) for a in fetches[0])
   assert out.tokens == Generator(CFG, target, eos_ids=(), **kw).generate(PROMPTS, 8).tokens
   with pytest.raises(JetSpecError, match="transfer_guard 'sometimes'"):

@@ -31,7 +31,7 @@ from jetspec_jax.decode.generation import acceptance
 from jetspec_jax.decode.generation import Generator, SamplingConfig
 from jetspec_jax.decode.loop import prefill
 from jetspec_jax.decode.prompts import batch_prompts
-from jetspec_jax.decode.speculative import SpecState, TreeConfig
+from jetspec_jax.decode.speculative import TreeConfig
 from jetspec_jax.errors import JetSpecError
 from jetspec_jax.models import draft_head, qwen3
 
@@ -175,8 +175,7 @@ def run_spec(tree_cfg, variants, *, batch, max_new, temperature, top_k=0, top_p=
   if first_round_only:
     base = base.replace(num_tokens=jnp.full_like(base.num_tokens, max_new - 1))
   dcache = speculative.prefill_context(hparams, dcache, taps, head_cfg=hcfg)
-  state = SpecState(base=base, draft_cache=dcache, rounds=jnp.zeros((batch,), jnp.int32),
-                    depth_hist=jnp.zeros((batch, tree_cfg.depth + 1), jnp.int32))
+  state = speculative.init_state(base, dcache, tree_cfg)
   # Keyword arguments as Generator.decode passes them (the same jit cache entries).
   state = speculative.spec_decode(params, hparams, state, cfg=CFG, head_cfg=hcfg, tree_cfg=tree_cfg, eos_ids=(),
                                   attn_impl="xla", mesh=None, drafter=drafter_for(variants, temperature, top_k, top_p),

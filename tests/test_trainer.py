@@ -93,19 +93,29 @@ def test_two_processes_follow_the_single_process_loss_curve(world, tmp_path):
 
 
 def test_packed_rows_train(world, tmp_path):
-  """data.pack=True: rows hold several conversations, and training on them runs and learns."""
+  """data.pack=True: rows hold several conversations, and training on them runs and learns; the final
+  evaluation runs with an online-calibrated tree."""
   from jetspec_jax.tokenizer import load_tokenizer
   from jetspec_jax.train import records
   out = tmp_path / "packed"
-  summary = trainer.run(trainer_world.tiny_config(world, str(out), **{"train.steps": 6, "data.pack": True,
-                                                                         "data.seq_len": 128, "train.learning_rate": 0.01}),
+  summary = trainer.run(trainer_world.tiny_config(world, str(out), **{
+      "train.steps": 6, "data.pack": True, "data.seq_len": 128, "train.learning_rate": 0.01,
+      "data.eval_examples": 2, "eval.max_new_tokens": 4, "eval.tree": "calibrated", "eval.online": "batch"}),
                         progress=False)
   assert summary["step"] == 6 and os.path.isdir(summary["head_dir"])
+  assert summary["metrics"]["eval_tau"] >= 1.0
   rows = records.prepare_dataset(world["data"], load_tokenizer(world["tokenizer"]), str(out / "data"), seq_len=128,
                                  pack=True)
   assert max(len(rows.read([i])[0]["segment_lengths"]) for i in range(len(rows))) >= 2
   curve = losses(str(out))
   assert all(np.isfinite(curve)) and curve[-1] < curve[0]
+
+
+def test_an_evaluation_tree_is_checked_before_training(world, tmp_path):
+  from jetspec_jax.errors import JetSpecError
+  with pytest.raises(JetSpecError, match="'static' needs an acceptance profile"):
+    trainer.run(trainer_world.tiny_config(world, str(tmp_path / "run"), **{"eval.tree": "static"}), progress=False)
+  assert not os.path.exists(tmp_path / "run" / "checkpoints")
 
 
 def test_target_states_equal_the_dense_forward_without_its_score_buffers():

@@ -263,7 +263,7 @@ def test_tree_size():
   assert tree_size("top2gap", 1, 15) == 1
   assert tree_size("chain", 256, 15) == 16
   assert tree_size("best_nodes", 64, 15) == 64
-  assert set(TREE_METHODS) == {"accum_logp", "top2gap", "best_nodes", "chain"}
+  assert set(TREE_METHODS) == {"accum_logp", "top2gap", "best_nodes", "chain", "rank_caps", "calibrated", "static"}
 
 
 @pytest.mark.parametrize("kwargs,match", [

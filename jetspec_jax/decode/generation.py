@@ -18,6 +18,7 @@ import numpy as np
 
 from jetspec_jax.config import Qwen3Config
 from jetspec_jax.decode import loop, sampling, speculative
+from jetspec_jax.decode.profile import AcceptanceProfile
 from jetspec_jax.decode.prompts import batch_prompts
 from jetspec_jax.decode.speculative import TreeConfig
 from jetspec_jax.distributed import host_values
@@ -60,13 +61,17 @@ class GenerationResult:
 
   tokens[b]: the generated ids (prompt excluded; EOS included when hit); num_tokens [B];
   rounds [B]: decode steps sequence b took part in (speculative rounds; AR: one per token after the
-  prefill's); depth_histogram [B, D+1]: rounds that accepted exactly d draft tokens (speculative only);
+  prefill's); depth_histogram [B, D+1]: rounds that accepted exactly d draft tokens; depth_visits [B, D],
+  rank_hits and rank_mass [B, D, W]: the acceptance-profile counts of ``decode.profile`` (speculative only);
   target_forwards: target forwards of the batch, prefill included; prefill_s / decode_s: wall time of
   the two phases (the first call of a shape includes compilation)."""
   tokens: list[list[int]]
   num_tokens: np.ndarray
   rounds: np.ndarray
   depth_histogram: np.ndarray | None
+  depth_visits: np.ndarray | None
+  rank_hits: np.ndarray | None
+  rank_mass: np.ndarray | None
   target_forwards: int
   prefill_s: float
   decode_s: float
@@ -82,6 +87,12 @@ def acceptance(results) -> dict:
   at_least = hist[::-1].cumsum()[::-1]
   return {"tau": decoded / max(rounds, 1), "rounds": rounds, "depth_histogram": hist.tolist(),
           "acceptance_by_depth": [float(at_least[d] / max(rounds, 1)) for d in range(1, len(hist))]}
+
+
+def acceptance_profile(results) -> AcceptanceProfile:
+  """The per-(depth, rank) acceptance counts of speculative ``GenerationResult``s, summed over all of them."""
+  total = lambda field: np.sum([np.sum(getattr(r, field), axis=0) for r in results], axis=0)
+  return AcceptanceProfile.from_counts(total("depth_visits"), total("rank_hits"), total("rank_mass"))
 
 
 TRANSFER_GUARDS = ("allow", "log", "disallow", "log_explicit", "disallow_explicit")
@@ -146,8 +157,7 @@ class Generator:
     draft_cache = draft_head.init_context_cache(self.head_cfg, batch, draft_len, self.head_params["fc"].dtype,
                                                 self.mesh)
     draft_cache = speculative.prefill_context(self.head_params, draft_cache, taps, head_cfg=self.head_cfg)
-    return speculative.SpecState(base=base, draft_cache=draft_cache, rounds=jnp.zeros((batch,), jnp.int32),
-                                 depth_hist=jnp.zeros((batch, self.tree.depth + 1), jnp.int32))
+    return speculative.init_state(base, draft_cache, self.tree)
 
   def _decode_call(self, state):
     """(jitted decode program, its positional and keyword arguments) for ``state``."""
@@ -179,14 +189,18 @@ class Generator:
     t1 = time.perf_counter()
     state = self.decode(state)
     base = state.base if self.speculative else state
-    arrays = (base.tokens, base.num_tokens, base.steps) + ((state.rounds, state.depth_hist) if self.speculative else ())
+    arrays = (base.tokens, base.num_tokens, base.steps)
+    if self.speculative:
+      arrays += (state.rounds, state.depth_hist, state.depth_visits, state.rank_hits, state.rank_mass)
     if self.on_fetch is not None:
       self.on_fetch(arrays)
     fetched = host_values(arrays)
     t2 = time.perf_counter()
     out, num, steps = fetched[:3]
     num = np.asarray(num)
-    rounds, hist = (np.asarray(fetched[3]), np.asarray(fetched[4])) if self.speculative else (num - 1, None)
+    rounds, hist, visits, hits, mass = ([np.asarray(a) for a in fetched[3:]] if self.speculative
+                                        else (num - 1, None, None, None, None))
     return GenerationResult(tokens=[out[b, :num[b]].tolist() for b in range(len(prompts))], num_tokens=num,
-                            rounds=rounds, depth_histogram=hist, target_forwards=int(steps) + 1,
+                            rounds=rounds, depth_histogram=hist, depth_visits=visits, rank_hits=hits, rank_mass=mass,
+                            target_forwards=int(steps) + 1,
                             prefill_s=t1 - t0, decode_s=t2 - t1)

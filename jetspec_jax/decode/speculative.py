@@ -29,24 +29,54 @@ import jax.numpy as jnp
 from jetspec_jax.config import Qwen3Config
 from jetspec_jax.decode import sampling, verify
 from jetspec_jax.decode.loop import DecodeState, commit_tokens
+from jetspec_jax.decode.profile import AcceptanceProfile
 from jetspec_jax.decode.tree import TREE_METHODS, build_tree, tree_size
 from jetspec_jax.errors import JetSpecError
 from jetspec_jax.models import draft_head, qwen3
 from jetspec_jax.models.draft_head import DraftConfig
 
 
+ONLINE_MODES = ("off", "batch", "sequence")
+
+
 @dataclasses.dataclass(frozen=True)
 class TreeConfig:
-  """Static tree shape: method (one of ``tree.TREE_METHODS``: accum_logp | top2gap | best_nodes | chain),
-  node budget (counts the root; a chain has depth + 1 nodes whatever the budget), width W (top-W tokens per
-  depth) and depth D (<= block_size - 1)."""
+  """Static tree shape: method (one of ``tree.TREE_METHODS``), node budget (counts the root; a chain has
+  depth + 1 nodes whatever the budget), width W (top-W tokens per depth) and depth D (<= block_size - 1).
+
+  For the methods of ``tree.PROFILE_METHODS``: ``profile`` (an ``AcceptanceProfile``; ``static`` needs
+  one), ``cap_threshold`` (rank_caps), and for ``calibrated`` ``prior_strength`` (pseudo-rounds that
+  pull the calibration towards the draft) and ``online``: "off" (the profile's counts alone), "batch"
+  (plus the counts of every sequence of the batch) or "sequence" (plus each sequence's own): the
+  counts of this generation's rounds so far, kept on device in the loop state (``SpecState``)."""
   method: str = "accum_logp"
   budget: int = 16
   width: int = 7
   depth: int = 15
+  profile: AcceptanceProfile | None = None
+  cap_threshold: float = 0.02
+  prior_strength: float = 16.0
+  online: str = "off"
 
   def num_nodes(self) -> int:
     return tree_size(self.method, self.budget, self.depth)
+
+  @property
+  def num_candidates(self) -> int:
+    """Candidates per depth W of the round's tree (1 for a chain)."""
+    return 1 if self.method == "chain" else self.width
+
+  def acceptance(self):
+    """The profile fitted to this tree ([D, W] numpy, non-increasing in rank), or None."""
+    return None if self.profile is None else self.profile.fitted(self.depth, self.width)
+
+  def describe(self) -> dict:
+    """JSON-ready fields (the profile as its depth and width)."""
+    out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "profile"}
+    if self.profile is not None:
+      out["profile"] = {"depth": self.profile.depth, "width": self.profile.width,
+                        "rounds": self.profile.visits[0] if self.profile.visits else 0}
+    return out | {"num_nodes": self.num_nodes()}
 
   def validate(self, head: DraftConfig) -> None:
     if self.method not in TREE_METHODS:
@@ -57,15 +87,50 @@ class TreeConfig:
       raise JetSpecError(f"tree budget ({self.budget}) and width ({self.width}) must be at least 1")
     if self.width > head.vocab_size:
       raise JetSpecError(f"tree width {self.width} exceeds the vocabulary size {head.vocab_size}")
+    if self.online not in ONLINE_MODES:
+      raise JetSpecError(f"online calibration {self.online!r} is not one of {', '.join(ONLINE_MODES)}")
+    if self.online != "off" and self.method != "calibrated":
+      raise JetSpecError(f"online calibration needs tree method 'calibrated', not {self.method!r}")
+    if self.method == "static" and self.profile is None:
+      raise JetSpecError("tree method 'static' needs an acceptance profile (make one with `jetspec-jax profile`, "
+                         "then pass --tree-profile)")
+    if not self.prior_strength > 0:
+      raise JetSpecError(f"prior strength must be > 0; got {self.prior_strength}")
+    if self.profile is not None and self.method != "chain":
+      self.acceptance()                                  # raises when the profile is too shallow or narrow
 
 
 @flax.struct.dataclass
 class SpecState:
-  """DecodeState plus the draft head's context cache and acceptance metrics."""
+  """DecodeState plus the draft head's context cache and acceptance metrics (per sequence b; W =
+  ``TreeConfig.num_candidates``; the counts are those of ``decode.profile``)."""
   base: DecodeState
   draft_cache: qwen3.KVCache
   rounds: jax.Array         # [B] int32 rounds each sequence took part in
   depth_hist: jax.Array     # [B, D+1] int32 rounds that accepted exactly d draft tokens
+  depth_visits: jax.Array   # [B, D] int32 rounds whose accepted path reached depth d-1 (depth d observed)
+  rank_hits: jax.Array      # [B, D, W] int32 of those, rounds whose target token at depth d was rank r
+  rank_mass: jax.Array      # [B, D, W] float32 of those, the sum of the draft's probability of rank r
+
+
+def init_state(base: DecodeState, draft_cache: qwen3.KVCache, tree_cfg: TreeConfig) -> SpecState:
+  """The loop state after the prefill: zero rounds and counts."""
+  batch, d = base.last_token.shape[0], tree_cfg.depth
+  return SpecState(base=base, draft_cache=draft_cache, rounds=jnp.zeros((batch,), jnp.int32),
+                   depth_hist=jnp.zeros((batch, d + 1), jnp.int32), depth_visits=jnp.zeros((batch, d), jnp.int32),
+                   rank_hits=jnp.zeros((batch, d, tree_cfg.num_candidates), jnp.int32),
+                   rank_mass=jnp.zeros((batch, d, tree_cfg.num_candidates), jnp.float32))
+
+
+def observe_ranks(tree, acc, new: jax.Array, active: jax.Array):
+  """This round's profile counts (visits [B, D], hits [B, D, W] int32, mass [B, D, W] float32) from the
+  tree's candidates, the acceptance and the committed tokens new [B, D+1] (new[:, d-1] is the target's
+  token at depth d for d <= depth + 1: a path token, then the correction)."""
+  depth = tree.candidates.shape[1]
+  observed = active[:, None] & (jnp.arange(1, depth + 1)[None, :] <= acc.depth[:, None] + 1)        # [B, D]
+  hits = observed[..., None] & (tree.candidates == new[:, :depth, None])
+  mass = jnp.where(observed[..., None], jnp.exp(tree.candidate_logp), 0.0)
+  return observed.astype(jnp.int32), hits.astype(jnp.int32), mass
 
 
 # A drafter maps (target params, head params, state) -> (per-depth logits [B, D, V], draft cache).
@@ -92,20 +157,40 @@ def prefill_context(head_params, draft_cache, taps, *, head_cfg):
   return draft_head.bind(head_cfg, head_params).append_context(draft_cache, taps, start)
 
 
+def calibration_counts(tree_cfg: TreeConfig, counts):
+  """(hits, mass) the calibrated tree ranks by: the profile's plus, online, the loop's ``counts`` (rank_hits,
+  rank_mass [B, D, W]: summed over the batch, or per sequence); None when there are neither."""
+  prior = None if tree_cfg.profile is None else tree_cfg.profile.counts(tree_cfg.depth, tree_cfg.width)
+  if tree_cfg.online == "off":
+    return prior
+  hits, mass = counts
+  if tree_cfg.online == "batch":
+    hits, mass = jnp.sum(hits, axis=0, keepdims=True), jnp.sum(mass, axis=0, keepdims=True)
+  if prior is not None:
+    hits, mass = hits + prior[0], mass + prior[1]
+  return hits, mass
+
+
 def build_round_tree(anchor, depth_logits, keys, tree_cfg: TreeConfig, *, temperature: float, top_k: int,
-                     top_p: float, accept: str):
+                     top_p: float, accept: str, counts=None):
   """The round's tree and the processed draft log-probs (None when greedy).
 
   Greedy: today's tree from the raw draft logits. match: the deterministic tree (top-W tokens) of
   the processed draft distribution. rejection: the same shape, child rank r at depth d holding the
-  r-th Gumbel-top-k draw of the processed depth-d distribution (noise from ``keys``)."""
+  r-th Gumbel-top-k draw of the processed depth-d distribution (noise from ``keys``). counts: the
+  loop's (rank_hits, rank_mass) so far, read by online calibration."""
   kw = dict(method=tree_cfg.method, budget=tree_cfg.budget, width=tree_cfg.width)
+  if tree_cfg.method != "chain":
+    kw.update(acceptance=tree_cfg.acceptance(), cap_threshold=tree_cfg.cap_threshold,
+              prior_strength=tree_cfg.prior_strength)
+  if tree_cfg.method == "calibrated":
+    kw["counts"] = calibration_counts(tree_cfg, counts)
   if temperature == 0.0:
     return build_tree(anchor, depth_logits, **kw), None
   logp = sampling.process_logits(depth_logits, temperature, top_k, top_p)          # [B, D, V]
   if accept == "match":
     return build_tree(anchor, logp, **kw), logp
-  k = 1 if tree_cfg.method == "chain" else tree_cfg.width
+  k = tree_cfg.num_candidates
   noise = sampling.draft_gumbel(keys, logp.shape[1], logp.shape[2])
   return build_tree(anchor, logp, depth_tokens=sampling.gumbel_top_k(logp, noise, k), **kw), logp
 
@@ -120,7 +205,7 @@ def spec_decode(target_params, head_params, state: SpecState, *, cfg: Qwen3Confi
   """Speculative rounds until every sequence is done (greedy at temperature 0, else sampled with
   the ``accept`` rule: "match" | "rejection")."""
   depth = tree_cfg.depth
-  width = 1 if tree_cfg.method == "chain" else tree_cfg.width
+  width = tree_cfg.num_candidates
   head = draft_head.bind(head_cfg, head_params)
 
   def body(s: SpecState) -> SpecState:
@@ -133,7 +218,8 @@ def spec_decode(target_params, head_params, state: SpecState, *, cfg: Qwen3Confi
     keys = round_keys(s)
     with jax.named_scope("jetspec_tree"):
       tree, draft_logp = build_round_tree(b.last_token, depth_logits, keys, tree_cfg, temperature=temperature,
-                                          top_k=top_k, top_p=top_p, accept=accept)
+                                          top_k=top_k, top_p=top_p, accept=accept,
+                                          counts=(s.rank_hits, s.rank_mass))
     with jax.named_scope("jetspec_verify"):
       logits, cache, taps = verify.verify_tree(target_params, cfg, tree, b.cache, b.prefix_len,
                                                tap_layers=head_cfg.target_layer_ids, attn_impl=attn_impl, mesh=mesh)
@@ -155,8 +241,10 @@ def spec_decode(target_params, head_params, state: SpecState, *, cfg: Qwen3Confi
                        prefix_len=b.prefix_len + jnp.where(active, count, 0), done=done, key=b.key,
                        steps=b.steps + 1)
     hist = s.depth_hist + (jax.nn.one_hot(acc.depth, depth + 1, dtype=jnp.int32) * active[:, None])
+    visits, hits, mass = observe_ranks(tree, acc, new, active)
     return SpecState(base=base, draft_cache=draft_cache, rounds=s.rounds + active.astype(jnp.int32),
-                     depth_hist=hist)
+                     depth_hist=hist, depth_visits=s.depth_visits + visits, rank_hits=s.rank_hits + hits,
+                     rank_mass=s.rank_mass + mass)
 
   return jax.lax.while_loop(lambda s: ~jnp.all(s.base.done), body, state)
 

@@ -25,11 +25,29 @@ depth k+1. Methods:
               nodes of score -inf are never chosen (a smaller tree is padded). N = budget.
   chain       node d (depth d) is the argmax of depth d's logits, parent d-1. N = D + 1.
 
+Methods ranked by a measured acceptance (``decode.profile``: p(d, r), the chance that the rank-r
+child at depth d is accepted given its parent was; ``acceptance`` [D, W] below is the profile fitted
+to the tree, non-increasing in rank):
+  rank_caps   accum_logp with depth d's fan-out capped at the number of ranks whose acceptance is at
+              least ``cap_threshold`` (at least 1); without a profile exactly accum_logp. N = budget.
+  calibrated  best_nodes on calibrated probabilities instead of the draft's: the rank-r token of
+              depth d gets min(1, q * c[d, r]), q its draft probability this round and
+              c = (hits + s) / (mass + s) the measured over the predicted acceptance of (d, r) (the
+              profile's counts plus, online, those of this generation's rounds so far; s =
+              ``prior_strength`` pseudo-rounds pull c towards 1), made non-increasing in rank.
+              Without a profile or counts c = 1: exactly best_nodes. N = budget.
+  static      the fixed tree of highest expected accepted length for the profile
+              (``profile.optimal_static_tree``); each round only fills in the tokens. N = budget.
+
 Sampled trees (``depth_tokens``): the SHAPE (parents, depths, child ranks) is built exactly as
 above from the sorted top-W log-probs of ``depth_logits``, but the child of rank r at depth d
 gets ``depth_tokens[:, d-1, r]`` instead of the r-th most likely token (the rejection rule
 passes the r-th Gumbel-top-k sample of depth d; see ``decode.verify``). The shape therefore
 never depends on which tokens were sampled.
+
+Every tree also carries the candidate lists its nodes came from (``candidates`` [B, D, W]: the
+rank-r token of depth d at [:, d-1, r]) and their log-probs, from which the loop counts which rank
+the target took (``decode.profile``).
 
 Invariants of every tree: parents[i] < i for i > 0 (parents precede children),
 depths[i] = depths[parents[i]] + 1, sibling tokens are distinct, and padding nodes
@@ -42,9 +60,14 @@ import flax
 import jax
 import jax.numpy as jnp
 
+import numpy as np
+
+from jetspec_jax.decode.profile import ACCEPTANCE_FLOOR, optimal_static_tree
 from jetspec_jax.errors import JetSpecError
 
-TREE_METHODS = ("accum_logp", "top2gap", "best_nodes", "chain")
+TREE_METHODS = ("accum_logp", "top2gap", "best_nodes", "chain", "rank_caps", "calibrated", "static")
+PROFILE_METHODS = ("rank_caps", "calibrated", "static")     # methods that read an acceptance profile
+
 MAX_POPS_PER_STEP = 8     # pops unrolled in one step of the search loop (bounds the unrolled code)
 
 
@@ -58,12 +81,16 @@ class Tree:
   valid     [B, N] bool   False for padding nodes (tree smaller than N)
   ancestors [B, N, N] bool  ancestors[b, i, j] iff j is i or an ancestor of i;
                           padding rows hold only the diagonal
+  candidates [B, D, W] int32  depth d's candidate tokens in rank order at [:, d-1] (W = 1 for a chain)
+  candidate_logp [B, D, W] float32  their log-probs under the distribution the tree was built from
   """
   tokens: jax.Array
   parents: jax.Array
   depths: jax.Array
   valid: jax.Array
   ancestors: jax.Array
+  candidates: jax.Array
+  candidate_logp: jax.Array
 
 
 def _check_method(method: str) -> None:
@@ -72,7 +99,7 @@ def _check_method(method: str) -> None:
 
 
 def tree_size(method: str, budget: int, depth: int) -> int:
-  """Static node count N: ``budget`` for accum_logp / top2gap / best_nodes, ``depth + 1`` for chain."""
+  """Static node count N: ``depth + 1`` for chain, else ``budget``."""
   _check_method(method)
   if method == "chain":
     return depth + 1
@@ -90,6 +117,9 @@ def _chain(anchor: jax.Array, depth_logits: jax.Array, depth_tokens: jax.Array |
   else:
     # top_k(., 1) is argmax with ties to the lower token id, about 3x faster on CPU at V = 32k.
     best = jax.lax.top_k(depth_logits, 1)[1][..., 0].astype(jnp.int32)       # [B, D]
+  logits = depth_logits.astype(jnp.float32)
+  best_logp = (jnp.take_along_axis(logits, best[..., None], axis=-1)
+               - jax.nn.logsumexp(logits, axis=-1, keepdims=True))           # [B, D, 1]
   tokens = jnp.concatenate([anchor[:, None].astype(jnp.int32), best], axis=1)
   idx = jnp.arange(n, dtype=jnp.int32)
   rows = jnp.broadcast_to(idx, (batch, n))
@@ -98,7 +128,9 @@ def _chain(anchor: jax.Array, depth_logits: jax.Array, depth_tokens: jax.Array |
       parents=jnp.maximum(rows - 1, 0),
       depths=rows,
       valid=jnp.ones((batch, n), bool),
-      ancestors=jnp.broadcast_to(idx[None, :] <= idx[:, None], (batch, n, n)))
+      ancestors=jnp.broadcast_to(idx[None, :] <= idx[:, None], (batch, n, n)),
+      candidates=best[:, :, None],
+      candidate_logp=best_logp)
 
 
 def _fanout_caps(log_probs: jax.Array, method: str, width: int, beta: float, g0: float) -> jax.Array:
@@ -240,9 +272,41 @@ def _best_nodes_tree(anchor: jax.Array, top_tok: jax.Array, top_lp: jax.Array,
   return tokens, parents, depths, valid, anc
 
 
+def calibrated_scores(top_lp: jax.Array, counts, prior_strength: float) -> jax.Array:
+  """The ``calibrated`` method's log-scores [B, D, W] (see the module docstring).
+
+  top_lp [B, D, W] the draft's sorted top-W log-probs; counts None (scores = top_lp) or (hits, mass),
+  each broadcastable to [B, D, W] (profile plus online counts)."""
+  if counts is None:
+    return top_lp
+  hits, mass = counts
+  s = jnp.float32(prior_strength)
+  ratio = (jnp.asarray(hits, jnp.float32) + s) / (jnp.asarray(mass, jnp.float32) + s)
+  a = jnp.minimum(jnp.exp(top_lp) * ratio, 1.0)
+  return jnp.log(jnp.maximum(jax.lax.cummin(a, axis=a.ndim - 1), jnp.float32(ACCEPTANCE_FLOOR)))
+
+
+def _static_tree(anchor: jax.Array, top_tok: jax.Array, acceptance: np.ndarray, budget: int) -> tuple[jax.Array, ...]:
+  """The ``static`` tree: the shape is a constant; tokens gathered from top_tok [B, D, W]."""
+  shape = optimal_static_tree(acceptance, budget)
+  batch, n = anchor.shape[0], budget
+  pad = n - len(shape.parents)                     # the full W-ary tree of depth D has fewer nodes
+  parents = np.pad(np.asarray(shape.parents, np.int32), (0, pad))
+  depths = np.pad(np.asarray(shape.depths, np.int32), (0, pad))
+  ranks = np.pad(np.asarray(shape.ranks, np.int32), (0, pad))
+  valid = np.arange(n) < len(shape.parents)
+  anc = np.eye(n, dtype=bool)
+  anc[:len(shape.parents), :len(shape.parents)] = shape.ancestors()
+  node_tok = top_tok[:, np.maximum(depths - 1, 0), ranks]                               # [B, N]
+  tokens = jnp.where(jnp.asarray((depths > 0) & valid), node_tok, 0).at[:, 0].set(anchor)
+  bcast = lambda x: jnp.broadcast_to(jnp.asarray(x), (batch,) + x.shape)
+  return tokens, bcast(parents), bcast(depths), bcast(valid), bcast(anc)
+
+
 def build_tree(anchor: jax.Array, depth_logits: jax.Array, *, method: str, budget: int,
                width: int, top2gap_beta: float = 2.0, top2gap_g0: float = 1.0,
-               depth_tokens: jax.Array | None = None) -> Tree:
+               depth_tokens: jax.Array | None = None, acceptance: np.ndarray | None = None,
+               cap_threshold: float = 0.02, counts=None, prior_strength: float = 16.0) -> Tree:
   """Builds a token tree per batch row (see the module docstring for the methods).
 
   anchor [B] int32 (the root token); depth_logits [B, D, V] float, where
@@ -251,6 +315,9 @@ def build_tree(anchor: jax.Array, depth_logits: jax.Array, *, method: str, budge
   depth_tokens [B, D, W'] int32 (optional, W' >= width, W' >= 1 for chain): tokens to put at
   child rank r of depth k+1 (``depth_tokens[:, k, r]``) in place of the rank-r token of
   depth_logits; the shape still comes from depth_logits.
+  acceptance [D, W] (numpy, static; ``AcceptanceProfile.fitted``): the profile of rank_caps and
+  static (which needs it); cap_threshold (rank_caps); counts (hits, mass) and prior_strength
+  (calibrated): see the module docstring.
   Returns a Tree with N = tree_size(method, budget, D) nodes.
   """
   _check_method(method)
@@ -267,16 +334,31 @@ def build_tree(anchor: jax.Array, depth_logits: jax.Array, *, method: str, budge
   vocab = depth_logits.shape[2]
   if not 1 <= width <= vocab:
     raise JetSpecError(f"tree width must be between 1 and the vocabulary size {vocab}; got {width}")
+  if acceptance is not None and np.shape(acceptance) != (depth_logits.shape[1], width):
+    raise JetSpecError(f"acceptance {np.shape(acceptance)} does not match the tree's depth and width "
+                       f"({depth_logits.shape[1]}, {width})")
+  if method == "static" and acceptance is None:
+    raise JetSpecError("tree method 'static' needs an acceptance profile (`jetspec-jax profile`, then --tree-profile)")
   log_probs = jax.nn.log_softmax(depth_logits.astype(jnp.float32), axis=-1)
   top_lp, top_tok = jax.lax.top_k(log_probs, width)                      # [B, D, W]
+  cand_lp = top_lp
   if depth_tokens is not None:
     top_tok = depth_tokens[:, :, :width]
+    cand_lp = jnp.take_along_axis(log_probs, top_tok.astype(jnp.int32), axis=-1)
   anchor, top_tok = anchor.astype(jnp.int32), top_tok.astype(jnp.int32)
-  if method == "best_nodes":
+  if method == "static":
+    tokens, parents, depths, valid, ancestors = _static_tree(anchor, top_tok, acceptance, budget)
+  elif method in ("best_nodes", "calibrated"):
+    scores = top_lp if method == "best_nodes" else calibrated_scores(top_lp, counts, prior_strength)
     tokens, parents, depths, valid, ancestors = jax.vmap(
-        lambda a, t, lp: _best_nodes_tree(a, t, lp, budget))(anchor, top_tok, top_lp)
+        lambda a, t, lp: _best_nodes_tree(a, t, lp, budget))(anchor, top_tok, scores)
   else:
-    caps = _fanout_caps(log_probs, method, width, top2gap_beta, top2gap_g0)  # [B, D]
+    if method == "rank_caps":
+      per_depth = width if acceptance is None else np.maximum(1, np.sum(acceptance >= cap_threshold, axis=1))
+      caps = jnp.broadcast_to(jnp.asarray(per_depth, jnp.int32), log_probs.shape[:2])
+    else:
+      caps = _fanout_caps(log_probs, method, width, top2gap_beta, top2gap_g0)  # [B, D]
     tokens, parents, depths, valid, ancestors = jax.vmap(
         lambda a, t, lp, c: _heap_tree(a, t, lp, c, budget))(anchor, top_tok, top_lp, caps)
-  return Tree(tokens=tokens, parents=parents, depths=depths, valid=valid, ancestors=ancestors)
+  return Tree(tokens=tokens, parents=parents, depths=depths, valid=valid, ancestors=ancestors, candidates=top_tok,
+              candidate_logp=cand_lp)

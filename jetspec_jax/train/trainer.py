@@ -139,15 +139,25 @@ def eval_prompts(rows, count: int) -> list[list[int]]:
   return prompts
 
 
-def evaluate_tau(target_params, target_cfg, head_params, head_cfg, prompts, ec, compute_dtype, mesh=None) -> dict:
-  """tau and tokens/s of the current head on held-out prompts (greedy speculative decoding over the
-  training mesh; in a multi-process run every process runs it on the same prompts)."""
-  from jetspec_jax.decode.generation import Generator, acceptance
+def eval_tree(ec: ml_collections.ConfigDict, head_cfg):
+  """The evaluation's TreeConfig (``eval.tree`` / budget / width, ``eval.tree_profile`` a profile path or "",
+  ``eval.online``), validated before training starts."""
+  from jetspec_jax.decode import profile
   from jetspec_jax.decode.speculative import TreeConfig
+  tree = TreeConfig(ec.tree, ec.budget, ec.width, head_cfg.depth,
+                    profile=profile.load(ec.tree_profile) if ec.tree_profile else None, online=ec.online)
+  tree.validate(head_cfg)
+  return tree
+
+
+def evaluate_tau(target_params, target_cfg, head_params, head_cfg, prompts, tree, max_new_tokens, compute_dtype,
+                 mesh=None) -> dict:
+  """tau and tokens/s of the current head on held-out prompts with ``tree`` (greedy speculative decoding over
+  the training mesh; in a multi-process run every process runs it on the same prompts)."""
+  from jetspec_jax.decode.generation import Generator, acceptance
   params = jax.tree_util.tree_map(lambda x: x.astype(compute_dtype), head_params)
-  tree = TreeConfig(ec.tree, ec.budget, ec.width, head_cfg.depth)
   out = Generator(target_cfg, target_params, head_cfg=head_cfg, head_params=params, tree=tree,
-                  mesh=mesh).generate(prompts, ec.max_new_tokens)
+                  mesh=mesh).generate(prompts, max_new_tokens)
   acc = acceptance([out])
   return {"eval_tau": acc["tau"], "eval_tokens_per_s": int(out.num_tokens.sum()) / max(out.decode_s, 1e-9),
           "eval_acceptance_d1": acc["acceptance_by_depth"][0] if acc["acceptance_by_depth"] else 0.0}
@@ -169,6 +179,7 @@ def run(c: ml_collections.ConfigDict, *, progress: bool = True, stop_after: int 
     target_params = place_target(target_params, target_cfg, mesh)
   tokenizer = load_tokenizer(side)
   head_cfg = build_head_config(c, target_cfg, tokenizer.mask_token_id)
+  tree = eval_tree(c.eval, head_cfg)
   out_dir = os.path.abspath(c.output_dir)
   os.makedirs(out_dir, exist_ok=True)
 
@@ -188,7 +199,7 @@ def run(c: ml_collections.ConfigDict, *, progress: bool = True, stop_after: int 
 
   def evaluate(step, state):
     if prompts and (c.eval.every and step % c.eval.every == 0 or step == total):
-      return evaluate_tau(target_params, target_cfg, state.params, head_cfg, prompts, c.eval,
+      return evaluate_tau(target_params, target_cfg, state.params, head_cfg, prompts, tree, c.eval.max_new_tokens,
                           parse_dtype(tc.compute_dtype), mesh)
 
   store = CheckpointStore(os.path.join(out_dir, "checkpoints"), c.checkpoint.keep)

@@ -1,0 +1,130 @@
+"""Tree-method benchmark: every tree method at every budget on the demo's model, in one run.
+
+For each bank (HumanEval, ShareGPT) it takes an acceptance profile (``jetspec-jax profile``'s
+measurement) on prompts disjoint from the bench prompts, then runs greedy speculative decoding of the
+bench prompts with the chain and with each method at each budget:
+
+  accum_logp, top2gap, best_nodes          the draft's own log-probs (today's methods)
+  rank_caps                                accum_logp with fan-outs capped by the profile
+  calibrated                               best_nodes on the draft's probabilities recalibrated per
+                                           (depth, rank) by the profile (offline)
+  cal_online, cal_online+profile           the same from counts kept on device and updated every round
+                                           (from none / from the profile's)
+  static                                   the profile's optimal fixed tree (its expected tau beside)
+
+It prints tau, tokens/s, ms per round and the equality with AR per mode, and writes one JSON. The bench
+prompts, the model and the tree width are the demo's (``jetspec-jax demo`` must have run in
+``--workdir``). Timing is on whatever machine runs it; speed on a CPU is not speed on a GPU (see
+docs/benchmarks.md), so the round time is reported as a ratio to best_nodes' at the same budget.
+
+  python bench/tree_bench.py --workdir ~/.cache/jetspec-jax
+"""
+from __future__ import annotations
+
+import argparse
+import os
+
+import jax.numpy as jnp
+
+from jetspec_jax import bench, convert
+from jetspec_jax.decode.generation import Generator, acceptance
+from jetspec_jax.decode.profile import expected_tau, optimal_static_tree
+from jetspec_jax.decode.speculative import TreeConfig
+from jetspec_jax.demo import DemoSettings
+from jetspec_jax.tokenizer import load_tokenizer
+
+NAME = "tree_bench"
+
+
+def variants(budget: int, width: int, depth: int, prof, prior_strength: float):
+  """(mode name, TreeConfig) of every method at one budget."""
+  t = lambda method, **kw: TreeConfig(method, budget, width, depth, **kw)
+  return [
+      ("accum_logp", t("accum_logp")), ("top2gap", t("top2gap")), ("best_nodes", t("best_nodes")),
+      ("rank_caps", t("rank_caps", profile=prof)),
+      ("calibrated", t("calibrated", profile=prof, prior_strength=prior_strength)),
+      ("cal_online", t("calibrated", online="batch", prior_strength=prior_strength)),
+      ("cal_online+profile", t("calibrated", profile=prof, online="batch", prior_strength=prior_strength)),
+      ("static", t("static", profile=prof)),
+  ]
+
+
+def bank_prompts(bank: str, tokenizer, s: DemoSettings, args):
+  """(bench prompts, profile prompts): the demo's bench prompts, and prompts after them that neither the
+  bench nor the head's training data uses (HumanEval problems below ``regen_humaneval_from``; ShareGPT
+  conversations after the bench's)."""
+  offset = 0 if bank == "humaneval" else s.pretrain_conversations + s.regen_conversations
+  bench_p = bench.prompt_bank(bank, tokenizer, num_prompts=s.bench_prompts, prompt_len=s.bench_prompt_len,
+                              offset=offset)
+  prof_p = bench.prompt_bank(bank, tokenizer, num_prompts=args.profile_prompts, prompt_len=s.bench_prompt_len,
+                             offset=offset + args.profile_offset,
+                             stop=s.regen_humaneval_from if bank == "humaneval" else None)
+  return bench_p, prof_p
+
+
+def main(argv=None) -> dict:
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p.add_argument("--workdir", default=None, help="the demo's work directory (default: its default)")
+  p.add_argument("--budgets", default="16,32,64")
+  p.add_argument("--profile-prompts", type=int, default=32, help="profiling prompts per bank")
+  p.add_argument("--profile-offset", type=int, default=16, help="bank offset of the profiling prompts")
+  p.add_argument("--profile-budget", type=int, default=64, help="best_nodes budget of the profiling run")
+  p.add_argument("--prior-strength", type=float, default=16.0)
+  p.add_argument("--repeats", type=int, default=2)
+  p.add_argument("--bank", action="append", default=None)
+  p.add_argument("--out", default=None)
+  args = p.parse_args(argv)
+  from jetspec_jax import cache
+  s = DemoSettings()
+  root = os.path.abspath(args.workdir or cache.default_root())
+  cfg, params, _ = convert.load_target(os.path.join(root, "target_ckpt"), jnp.float32)
+  head_cfg, head_params = convert.load_head(os.path.join(root, "head_run", "head_hf"), jnp.float32, target_cfg=cfg)
+  tokenizer = load_tokenizer(os.path.join(root, "tokenizer"))
+  budgets = [int(b) for b in args.budgets.split(",")]
+  width, depth, new = s.bench_width, head_cfg.depth, s.bench_new_tokens
+  result = {"machine": bench.machine_info(), "workdir": root, "width": width, "depth": depth, "budgets": budgets,
+            "max_new_tokens": new, "banks": {}}
+  for bank in args.bank or list(bench.BANKS):
+    bench_p, prof_p = bank_prompts(bank, tokenizer, s, args)
+    profile_tree = TreeConfig("best_nodes", args.profile_budget, width, depth)
+    prof, prof_tau = bench.collect_profile(params, cfg, head_params, head_cfg, prof_p, profile_tree,
+                                           max_new_tokens=new, eos_ids=())
+    print(f"[{bank}] profile: {len(prof_p)} prompts, {prof.visits[0]} rounds, tau {prof_tau:.2f}", flush=True)
+    ar_gen = Generator(cfg, params, eos_ids=())
+    ar = bench.time_mode(lambda b: ar_gen.generate(b, new), bench_p, 1, args.repeats)
+    ar_tokens = [t for o in ar.pop("outputs") for t in o.tokens]
+    modes = [("chain", 1, TreeConfig("chain", 1, 1, depth))] + [
+        (name, b, tc) for b in budgets
+        for name, tc in variants(b, width, depth, prof, args.prior_strength)]
+    rows = []
+    for name, b, tc in modes:
+      gen = Generator(cfg, params, head_cfg=head_cfg, head_params=head_params, tree=tc, eos_ids=())
+      res = bench.time_mode(lambda batch, g=gen: g.generate(batch, new), bench_p, 1, args.repeats)
+      outs = res.pop("outputs")
+      acc = acceptance(outs)
+      decode_s = sum(o.decode_s for o in outs)
+      row = {"method": name, "budget": tc.num_nodes(), "tau": acc["tau"],
+             "tok/s": res["tokens_per_s"], "ms/round": 1e3 * decode_s / max(acc["rounds"], 1),
+             "== AR": [t for o in outs for t in o.tokens] == ar_tokens}
+      if tc.method == "static":
+        fitted = prof.fitted(depth, width)
+        shape = optimal_static_tree(fitted, b)
+        row["expected tau"] = expected_tau(prof.acceptance()[:depth, :width], shape.parents, shape.depths,
+                                           shape.ranks)
+      rows.append(row)
+      print(f"  {name} b{b}: tau {acc['tau']:.2f}", flush=True)
+    for row in rows:                                            # round time relative to best_nodes'
+      ref = next((r for r in rows if r["method"] == "best_nodes" and r["budget"] == row["budget"]), None)
+      row["round vs best"] = row["ms/round"] / ref["ms/round"] if ref else None
+    result["banks"][bank] = {"profile": prof.to_json({"prompts": len(prof_p), "tau": prof_tau}),
+                             "bench_prompts": len(bench_p), "ar_tokens_per_s": ar["tokens_per_s"], "modes": rows}
+    print(f"[{bank}] {len(bench_p)} prompts x {s.bench_prompt_len} tokens, {new} new tokens, width {width}; "
+          f"AR {ar['tokens_per_s']:.0f} tok/s")
+    print(bench.format_table(rows))
+  paths = bench.save_results(result, args.out, NAME)
+  print("JSON:", ", ".join(map(str, paths)))
+  return result
+
+
+if __name__ == "__main__":
+  main()

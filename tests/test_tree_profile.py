@@ -1,0 +1,281 @@
+"""Acceptance profiles and the trees they shape: the static optimum against brute force, the reference
+rule and the calibrated method against today's methods, the loop's counts, lossless decoding."""
+import functools
+import itertools
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jetspec_jax.decode import profile
+from jetspec_jax.decode.generation import Generator, acceptance, acceptance_profile
+from jetspec_jax.decode.profile import AcceptanceProfile, expected_tau, optimal_static_tree
+from jetspec_jax.decode.speculative import TreeConfig, calibration_counts, observe_ranks
+from jetspec_jax.decode.tree import build_tree
+from jetspec_jax.decode.verify import Acceptance
+from jetspec_jax.errors import JetSpecError
+from test_speculative import CFG, PROMPTS3, ar_tokens, head, target
+
+
+def _random_profile(seed, depth, width, rounds=200):
+  """Counts of a made-up draft: acceptance falls with rank; mass near (not equal to) the hits."""
+  rng = np.random.default_rng(seed)
+  visits = np.maximum((rounds * 0.7 ** np.arange(depth)).astype(int), width + 1)
+  share = np.sort(rng.dirichlet(np.ones(width + 1)), )[::-1][:width]
+  hits = np.minimum(np.floor(visits[:, None] * share[None, :] * rng.uniform(0.5, 1.0, (depth, width))),
+                    visits[:, None] // width).astype(int)
+  mass = hits * rng.uniform(0.5, 2.0, hits.shape)
+  return AcceptanceProfile.from_counts(visits, hits, mass)
+
+
+def _brute_force_best(acc, budget):
+  """The largest 1 + sum of path products over every set of budget - 1 nodes of the full W-ary trie of depth
+  D that is closed under taking parents (siblings unconstrained)."""
+  depth, width = acc.shape
+  nodes = [p for d in range(1, depth + 1) for p in itertools.product(range(width), repeat=d)]
+  value = {p: float(np.prod([acc[i, r] for i, r in enumerate(p)])) for p in nodes}
+  best = 1.0
+  for subset in itertools.combinations(nodes, min(budget - 1, len(nodes))):
+    chosen = set(subset)
+    if all(len(p) == 1 or p[:-1] in chosen for p in subset):
+      best = max(best, 1.0 + sum(value[p] for p in subset))
+  return best
+
+
+@pytest.mark.parametrize("depth,width", [(3, 2), (2, 3), (4, 1)])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_static_optimum_matches_brute_force(depth, width, seed):
+  rng = np.random.default_rng(seed)
+  acc = profile.monotone(np.sort(rng.uniform(0.0, 0.9, (depth, width)), axis=1)[:, ::-1])
+  for budget in range(1, 8):
+    tree = optimal_static_tree(acc, budget)
+    assert len(tree.parents) == min(budget, 1 + sum(width ** d for d in range(1, depth + 1)))
+    got = expected_tau(acc, tree.parents, tree.depths, tree.ranks)
+    np.testing.assert_allclose(got, _brute_force_best(acc, budget), rtol=1e-12)
+    for i in range(1, len(tree.parents)):               # parents first; siblings are ranks 0..k-1 in order
+      assert tree.parents[i] < i and tree.depths[i] == tree.depths[tree.parents[i]] + 1
+    for p in set(tree.parents[1:]):
+      kids = [i for i in range(1, len(tree.parents)) if tree.parents[i] == p]
+      assert [tree.ranks[i] for i in kids] == list(range(len(kids)))
+
+
+def test_expected_tau_by_hand():
+  acc = np.array([[0.5, 0.2], [0.4, 0.1]])
+  # root; depth-1 ranks 0 and 1; under rank 0 its rank-0 child: 1 + 0.5 + 0.2 + 0.5 * 0.4
+  assert expected_tau(acc, (0, 0, 0, 1), (0, 1, 1, 2), (0, 0, 1, 0)) == pytest.approx(1.9)
+  tree = optimal_static_tree(acc, 4)
+  assert (tree.parents, tree.depths, tree.ranks) == ((0, 0, 0, 1), (0, 1, 1, 2), (0, 0, 1, 0))
+
+
+def _case(seed, batch=3, depth=4, vocab=40):
+  rng = np.random.default_rng(seed)
+  return (jnp.asarray(rng.integers(0, vocab, batch), jnp.int32),
+          jnp.asarray(rng.normal(0, 2.5, (batch, depth, vocab)), jnp.float32))
+
+
+def _same_tree(a, b):
+  for field in ("tokens", "parents", "depths", "valid", "ancestors", "candidates"):
+    np.testing.assert_array_equal(np.asarray(getattr(a, field)), np.asarray(getattr(b, field)), err_msg=field)
+
+
+@pytest.mark.parametrize("budget,width", [(16, 4), (7, 3)])
+def test_reference_rule_without_profile_is_accum_logp(budget, width):
+  anchor, logits = _case(0)
+  _same_tree(build_tree(anchor, logits, method="rank_caps", budget=budget, width=width),
+             build_tree(anchor, logits, method="accum_logp", budget=budget, width=width))
+
+
+def test_reference_rule_caps_each_depth():
+  anchor, logits = _case(1, depth=3)
+  acc = np.array([[0.6, 0.3, 0.05, 0.01], [0.7, 0.01, 0.0, 0.0], [0.5, 0.2, 0.1, 0.03]])
+  tree = jax.tree.map(np.asarray, build_tree(anchor, logits, method="rank_caps", budget=24, width=4,
+                                             acceptance=profile.monotone(acc), cap_threshold=0.02))
+  caps = {1: 3, 2: 1, 3: 4}
+  for b in range(3):
+    n = int(tree.valid[b].sum())
+    for p in range(n):
+      kids = [i for i in range(1, n) if tree.parents[b, i] == p]
+      assert len(kids) <= caps.get(tree.depths[b, p] + 1, 0)
+      if kids:
+        assert [int(tree.tokens[b, i]) for i in kids] == tree.candidates[b, tree.depths[b, p], :len(kids)].tolist()
+    assert sum(tree.parents[b, 1:n] == 0) == 3
+
+
+def test_calibrated_with_neutral_counts_is_best_nodes():
+  anchor, logits = _case(2)
+  best = build_tree(anchor, logits, method="best_nodes", budget=16, width=4)
+  _same_tree(build_tree(anchor, logits, method="calibrated", budget=16, width=4), best)
+  counts = (np.full((4, 4), 7.0), np.full((4, 4), 7.0))            # measured == predicted: ratio 1
+  _same_tree(build_tree(anchor, logits, method="calibrated", budget=16, width=4, counts=counts), best)
+
+
+def test_calibrated_follows_the_measured_acceptance():
+  """A profile saying the draft is 10x underconfident about depth 1's ranks 1-3 and overconfident deeper
+  moves the budget to depth 1's siblings."""
+  anchor, logits = _case(3)
+  hits = np.array([[50, 40, 40, 40]] + [[1, 0, 0, 0]] * 3, np.float32)
+  mass = np.array([[50, 4, 4, 4]] + [[50, 10, 10, 10]] * 3, np.float32)
+  best = jax.tree.map(np.asarray, build_tree(anchor, logits, method="best_nodes", budget=8, width=4))
+  cal = jax.tree.map(np.asarray, build_tree(anchor, logits, method="calibrated", budget=8, width=4,
+                                            counts=(hits, mass), prior_strength=1.0))
+  assert ((cal.depths == 1) & cal.valid).sum() == 3 * 4
+  assert ((cal.depths == 1) & cal.valid).sum() > ((best.depths == 1) & best.valid).sum()
+
+
+def test_calibrated_profile_without_draft_signal_is_the_static_optimum():
+  """With the draft's probabilities all equal across rounds the calibrated tree is the static optimum of the
+  acceptance min(1, q * ratio) (same shape; here no ties)."""
+  anchor, _ = _case(4)
+  q = np.array([0.5, 0.2, 0.1, 0.05])
+  logits = jnp.asarray(np.broadcast_to(np.log(np.r_[q, np.full(36, 0.15 / 36)]), (3, 4, 40)), jnp.float32)
+  prof = _random_profile(5, 4, 4)
+  hits, mass = prof.counts(4, 4)
+  ratio = (hits + 16.0) / (mass + 16.0)
+  acc = profile.monotone(np.minimum(q[None, :] * ratio, 1.0))
+  cal = jax.tree.map(np.asarray, build_tree(anchor, logits, method="calibrated", budget=12, width=4,
+                                            counts=(hits, mass)))
+  static = optimal_static_tree(acc, 12)
+  assert cal.valid.all()
+  for b in range(3):
+    assert expected_tau(acc, *_as_static(cal, b)) == pytest.approx(
+        expected_tau(acc, static.parents, static.depths, static.ranks), rel=1e-5)
+
+
+def _as_static(tree, b):
+  """(parents, depths, ranks) of row b of a built Tree (ranks from the candidates)."""
+  ranks = [0] + [int(np.flatnonzero(tree.candidates[b, tree.depths[b, i] - 1] == tree.tokens[b, i])[0])
+                 for i in range(1, tree.tokens.shape[1])]
+  return tree.parents[b].tolist(), tree.depths[b].tolist(), ranks
+
+
+def test_static_tree_is_the_profile_optimum_filled_each_round():
+  anchor, logits = _case(6)
+  prof = _random_profile(7, 4, 4)
+  acc = prof.fitted(4, 4)
+  tree = jax.tree.map(np.asarray, build_tree(anchor, logits, method="static", budget=12, width=4, acceptance=acc))
+  shape = optimal_static_tree(acc, 12)
+  top_tok = np.asarray(jax.lax.top_k(jax.nn.log_softmax(logits), 4)[1])
+  for b in range(3):
+    assert tree.parents[b].tolist() == list(shape.parents) and tree.depths[b].tolist() == list(shape.depths)
+    assert tree.tokens[b, 0] == anchor[b] and tree.valid[b].all()
+    for i in range(1, 12):
+      assert tree.tokens[b, i] == top_tok[b, shape.depths[i] - 1, shape.ranks[i]]
+    np.testing.assert_array_equal(tree.ancestors[b], shape.ancestors())
+  with pytest.raises(JetSpecError, match="needs an acceptance profile"):
+    build_tree(anchor, logits, method="static", budget=12, width=4)
+
+
+def test_observe_ranks_counts_the_targets_rank_at_each_observed_depth():
+  cand = jnp.asarray([[[5, 6], [7, 8], [9, 10]], [[1, 2], [3, 4], [5, 6]]], jnp.int32)       # [B=2, D=3, W=2]
+  logp = jnp.log(jnp.asarray([[[0.5, 0.25]] * 3, [[0.75, 0.125]] * 3], jnp.float32))
+  tree = type("T", (), {"candidates": cand, "candidate_logp": logp})()
+  # row 0 accepted 1 token (6, rank 1), then the target said 7 (rank 0 of depth 2): depths 1, 2 observed;
+  # row 1 accepted nothing and the target said 99 (not a candidate): depth 1 observed, no hit.
+  acc = Acceptance(path=jnp.zeros((2, 4), jnp.int32), depth=jnp.asarray([1, 0]), correction=jnp.asarray([7, 99]))
+  new = jnp.asarray([[6, 7, -1, -1], [99, -1, -1, -1]], jnp.int32)
+  visits, hits, mass = jax.device_get(observe_ranks(tree, acc, new, jnp.asarray([True, True])))
+  assert visits.tolist() == [[1, 1, 0], [1, 0, 0]]
+  assert hits.tolist() == [[[0, 1], [1, 0], [0, 0]], [[0, 0], [0, 0], [0, 0]]]
+  np.testing.assert_allclose(mass, [[[0.5, 0.25], [0.5, 0.25], [0, 0]], [[0.75, 0.125], [0, 0], [0, 0]]])
+  visits, _, _ = observe_ranks(tree, acc, new, jnp.asarray([True, False]))
+  assert np.asarray(visits)[1].tolist() == [0, 0, 0]                 # finished sequences count nothing
+
+
+def test_calibration_counts_pool_the_profile_and_the_loop():
+  prof = _random_profile(8, 3, 2)
+  hits = jnp.arange(12, dtype=jnp.int32).reshape(2, 3, 2)
+  mass = jnp.ones((2, 3, 2), jnp.float32)
+  tc = lambda online, p=prof: TreeConfig("calibrated", 8, 2, 3, profile=p, online=online)
+  ph, pm = prof.counts(3, 2)
+  h, m = calibration_counts(tc("off"), (hits, mass))
+  np.testing.assert_array_equal(h, ph)
+  h, m = calibration_counts(tc("batch"), (hits, mass))
+  np.testing.assert_allclose(h, ph[None] + np.asarray(hits).sum(0, keepdims=True))
+  np.testing.assert_allclose(m, (pm + 2.0)[None])
+  h, m = calibration_counts(tc("sequence", None), (hits, mass))
+  np.testing.assert_array_equal(h, hits)
+  assert calibration_counts(tc("off", None), (hits, mass)) is None
+
+
+@functools.lru_cache(maxsize=None)
+def _profile_of_random_head():
+  hcfg, hparams = head(block_size=5)
+  out = Generator(CFG, target(), head_cfg=hcfg, head_params=hparams,
+                  tree=TreeConfig("best_nodes", 16, 3, 4)).generate(PROMPTS3, 21)
+  return acceptance_profile([out])
+
+
+LOSSLESS_CASES = [
+    # (tree config, batch)
+    (dict(method="rank_caps", budget=16, width=3), 3),
+    (dict(method="static", budget=16, width=3), 3),
+    (dict(method="calibrated", budget=16, width=3), 3),
+    (dict(method="calibrated", budget=16, width=3, online="batch"), 3),
+    (dict(method="calibrated", budget=8, width=2, online="sequence", prior_strength=1.0), 3),
+    (dict(method="calibrated", budget=16, width=3, online="sequence", use_profile=False), 1),
+]
+
+
+@pytest.mark.parametrize("kw,batch", LOSSLESS_CASES, ids=lambda x: "-".join(map(str, x.values()))
+                         if isinstance(x, dict) else str(x))
+def test_profile_guided_trees_are_lossless(kw, batch):
+  kw = dict(kw)
+  prof = _profile_of_random_head() if kw.pop("use_profile", True) else None
+  hcfg, hparams = head(block_size=5)
+  tc = TreeConfig(depth=4, profile=prof, **kw)
+  out = Generator(CFG, target(), head_cfg=hcfg, head_params=hparams, tree=tc).generate(PROMPTS3[:batch], 21)
+  assert out.tokens == ar_tokens(batch, 21)
+
+
+def test_loop_counts_are_consistent_with_the_acceptance():
+  """For a chain every hit at depth d is an acceptance, so visits[d] == hits[d-1][0]; visits[d-1] counts the
+  rounds that accepted at least d - 1 tokens; every round observes depth 1."""
+  hcfg, hparams = head(block_size=5)
+  out = Generator(CFG, target(), head_cfg=hcfg, head_params=hparams,
+                  tree=TreeConfig("chain", 1, 1, 4)).generate(PROMPTS3, 21)
+  visits, hits = out.depth_visits, out.rank_hits
+  at_least = out.depth_histogram[:, ::-1].cumsum(axis=1)[:, ::-1]            # [B, D+1]: rounds accepting >= d
+  np.testing.assert_array_equal(visits, at_least[:, :4])
+  np.testing.assert_array_equal(visits[:, 1:], hits[:, :-1, 0])
+  np.testing.assert_array_equal(visits[:, 0], out.rounds)
+  prof = acceptance_profile([out])
+  assert prof.visits[0] == acceptance([out])["rounds"]
+  tree_out = Generator(CFG, target(), head_cfg=hcfg, head_params=hparams,
+                       tree=TreeConfig("accum_logp", 16, 3, 4)).generate(PROMPTS3, 21)
+  at_least = tree_out.depth_histogram[:, ::-1].cumsum(axis=1)[:, ::-1]
+  np.testing.assert_array_equal(tree_out.depth_visits, at_least[:, :4])
+  assert (tree_out.rank_hits.sum(axis=2)[:, :-1] >= tree_out.depth_visits[:, 1:]).all()
+
+
+def test_profile_json_round_trip_and_errors(tmp_path):
+  prof = _random_profile(9, 5, 3)
+  path = prof.save(str(tmp_path / profile.PROFILE_FILE), {"note": "test"})
+  data = json.loads(open(path).read())
+  assert data["format"] == profile.PROFILE_FORMAT and data["depth"] == 5 and data["width"] == 3
+  assert data["meta"] == {"note": "test"}
+  assert profile.load(str(tmp_path)) == prof == profile.load(path)
+  (tmp_path / "bad.json").write_text('{"format": "something else"}')
+  with pytest.raises(JetSpecError, match="is not an acceptance profile"):
+    profile.load(str(tmp_path / "bad.json"))
+  (tmp_path / "broken.json").write_text('{"format"')
+  with pytest.raises(JetSpecError, match="is not valid JSON"):
+    profile.load(str(tmp_path / "broken.json"))
+  with pytest.raises(JetSpecError, match="no acceptance profile"):
+    profile.load(str(tmp_path / "missing.json"))
+  with pytest.raises(JetSpecError, match="covers depth 5 and width 3"):
+    TreeConfig("static", 16, 4, 5, profile=prof).validate(head(block_size=16)[0])
+  with pytest.raises(JetSpecError, match="inconsistent"):
+    AcceptanceProfile.from_counts([3], [[2, 2]], [[1.0, 1.0]])
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(method="static"), "needs an acceptance profile"),
+    (dict(method="best_nodes", online="batch"), "needs tree method 'calibrated'"),
+    (dict(method="calibrated", online="always"), "is not one of off, batch, sequence"),
+    (dict(method="calibrated", prior_strength=0.0), "prior strength must be > 0"),
+])
+def test_bad_tree_configs(kw, match):
+  with pytest.raises(JetSpecError, match=match):
+    TreeConfig(budget=8, width=3, depth=4, **kw).validate(head(block_size=5)[0])
