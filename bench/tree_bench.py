@@ -12,7 +12,9 @@ bench prompts with the chain and with each method at each budget:
                                            (from none / from the profile's)
   static                                   the profile's optimal fixed tree (its expected tau beside)
 
-It prints tau, tokens/s, ms per round and the equality with AR per mode, and writes one JSON. The bench
+It prints tau, tokens/s, ms per round (median over ``--repeats`` passes, after a warm-up call) and the
+equality with AR per mode, then a round-time table (best_nodes, calibrated offline and online, static:
+one batch of all bench prompts, the modes interleaved over ``--overhead-repeats``), and writes one JSON. The bench
 prompts, the model and the tree width are the demo's (``jetspec-jax demo`` must have run in
 ``--workdir``). Timing is on whatever machine runs it; speed on a CPU is not speed on a GPU (see
 docs/benchmarks.md), so the round time is reported as a ratio to best_nodes' at the same budget.
@@ -49,6 +51,21 @@ def variants(budget: int, width: int, depth: int, prof, prior_strength: float):
   ]
 
 
+def round_times(cfg, params, head_cfg, head_params, prompts, trees, new: int, repeats: int) -> dict:
+  """Median ms per loop iteration of each (name, TreeConfig) on one batch of all ``prompts``, the modes
+  interleaved in every repeat (so slow spells of a shared machine hit them all)."""
+  gens = {name: Generator(cfg, params, head_cfg=head_cfg, head_params=head_params, tree=tc, eos_ids=())
+          for name, tc in trees}
+  times = {name: [] for name in gens}
+  for name, g in gens.items():
+    g.generate(prompts, new)                                                         # compile + warm
+  for _ in range(repeats):
+    for name, g in gens.items():
+      out = g.generate(prompts, new)
+      times[name].append(1e3 * out.decode_s / max(out.target_forwards - 1, 1))
+  return {name: bench.median(t) for name, t in times.items()}
+
+
 def bank_prompts(bank: str, tokenizer, s: DemoSettings, args):
   """(bench prompts, profile prompts): the demo's bench prompts, and prompts after them that neither the
   bench nor the head's training data uses (HumanEval problems below ``regen_humaneval_from``; ShareGPT
@@ -70,7 +87,8 @@ def main(argv=None) -> dict:
   p.add_argument("--profile-offset", type=int, default=16, help="bank offset of the profiling prompts")
   p.add_argument("--profile-budget", type=int, default=64, help="best_nodes budget of the profiling run")
   p.add_argument("--prior-strength", type=float, default=16.0)
-  p.add_argument("--repeats", type=int, default=2)
+  p.add_argument("--repeats", type=int, default=3)
+  p.add_argument("--overhead-repeats", type=int, default=15, help="interleaved repeats of the round-time table")
   p.add_argument("--bank", action="append", default=None)
   p.add_argument("--out", default=None)
   args = p.parse_args(argv)
@@ -99,16 +117,17 @@ def main(argv=None) -> dict:
     rows = []
     for name, b, tc in modes:
       gen = Generator(cfg, params, head_cfg=head_cfg, head_params=head_params, tree=tc, eos_ids=())
-      res = bench.time_mode(lambda batch, g=gen: g.generate(batch, new), bench_p, 1, args.repeats)
-      outs = res.pop("outputs")
+      gen.generate(bench_p[:1], new)                                                # compile + warm
+      passes = [[gen.generate([p], new) for p in bench_p] for _ in range(args.repeats)]
+      outs = passes[-1]
       acc = acceptance(outs)
-      decode_s = sum(o.decode_s for o in outs)
-      row = {"method": name, "budget": tc.num_nodes(), "tau": acc["tau"],
-             "tok/s": res["tokens_per_s"], "ms/round": 1e3 * decode_s / max(acc["rounds"], 1),
+      ms_per_round = [1e3 * sum(o.decode_s for o in ps) / acceptance(ps)["rounds"] for ps in passes]
+      row = {"method": name, "budget": tc.num_nodes(), "tau": acc["tau"], "ms/round": bench.median(ms_per_round),
+             "tok/s": bench.median([sum(int(o.num_tokens.sum()) for o in ps) / sum(o.prefill_s + o.decode_s for o in ps)
+                                    for ps in passes]),
              "== AR": [t for o in outs for t in o.tokens] == ar_tokens}
       if tc.method == "static":
-        fitted = prof.fitted(depth, width)
-        shape = optimal_static_tree(fitted, b)
+        shape = optimal_static_tree(prof.fitted(depth, width), b)
         row["expected tau"] = expected_tau(prof.acceptance()[:depth, :width], shape.parents, shape.depths,
                                            shape.ranks)
       rows.append(row)
@@ -121,6 +140,19 @@ def main(argv=None) -> dict:
     print(f"[{bank}] {len(bench_p)} prompts x {s.bench_prompt_len} tokens, {new} new tokens, width {width}; "
           f"AR {ar['tokens_per_s']:.0f} tok/s")
     print(bench.format_table(rows))
+    overhead = []
+    for b in budgets:
+      trees = [(n, tc) for n, tc in variants(b, width, depth, prof, args.prior_strength)
+               if n in ("best_nodes", "calibrated", "cal_online+profile", "static")]
+      ms = round_times(cfg, params, head_cfg, head_params, bench_p, trees, new, args.overhead_repeats)
+      overhead.append({"budget": b, **{f"{n} ms": v for n, v in ms.items()},
+                       "online / offline": ms["cal_online+profile"] / ms["calibrated"],
+                       "calibrated / best_nodes": ms["calibrated"] / ms["best_nodes"],
+                       "static / best_nodes": ms["static"] / ms["best_nodes"]})
+    result["banks"][bank]["round_time"] = overhead
+    print(f"[{bank}] ms per loop iteration, batch {len(bench_p)}, median of {args.overhead_repeats} interleaved "
+          f"repeats")
+    print(bench.format_table(overhead))
   paths = bench.save_results(result, args.out, NAME)
   print("JSON:", ", ".join(map(str, paths)))
   return result

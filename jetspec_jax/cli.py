@@ -220,23 +220,35 @@ def cmd_regenerate(args) -> dict:
   return res
 
 
-def cmd_bench(args) -> dict:
-  from jetspec_jax import bench
+def _target_and_head(args):
+  """bench / profile: the attention implementation and the prompt-length check (before any weights load), then
+  (impl, mesh, target cfg, target params, head cfg, head params, the target's side-file directory)."""
   from jetspec_jax.convert import load_head, load_target, read_target_config
-  for flag, value in (("--num-prompts", args.num_prompts), ("--prompt-len", args.prompt_len),
-                      ("--max-new-tokens", args.max_new_tokens), ("--batch-size", args.batch_size),
-                      ("--repeats", args.repeats)):
-    if value < 1:
-      raise JetSpecError(f"{flag} must be at least 1, got {value}")
-  budgets = _parse_ids(args.budgets, "--budgets")
   impl = _attention(args)
   _check_positions(read_target_config(args.target)[0], f"--prompt-len {args.prompt_len}", args.prompt_len,
                    args.max_new_tokens)
   mesh = _mesh(args)
   cfg, params, side = load_target(args.target, _dtype(args.dtype), mesh)
   head_cfg, head_params = load_head(args.head, _dtype(args.dtype), mesh, target_cfg=cfg)
+  return impl, mesh, cfg, params, head_cfg, head_params, side
+
+
+def _status_lines(args):
+  """Progress lines on stderr, none with --json."""
+  return (lambda *a: None) if args.json else (lambda m: print(f"  {m}", file=sys.stderr, flush=True))
+
+
+def cmd_bench(args) -> dict:
+  from jetspec_jax import bench
+  for flag, value in (("--num-prompts", args.num_prompts), ("--prompt-len", args.prompt_len),
+                      ("--max-new-tokens", args.max_new_tokens), ("--batch-size", args.batch_size),
+                      ("--repeats", args.repeats)):
+    if value < 1:
+      raise JetSpecError(f"{flag} must be at least 1, got {value}")
+  budgets = _parse_ids(args.budgets, "--budgets")
+  impl, mesh, cfg, params, head_cfg, head_params, side = _target_and_head(args)
   tokenizer = _load_tokenizer(side)
-  say = (lambda *a: None) if args.json else (lambda m: print(f"  {m}", file=sys.stderr, flush=True))
+  say = _status_lines(args)
   results = {}
   for bank in args.bank:
     say(f"bank {bank}")
@@ -259,7 +271,6 @@ def cmd_bench(args) -> dict:
 
 def cmd_profile(args) -> dict:
   from jetspec_jax import bench
-  from jetspec_jax.convert import load_head, load_target, read_target_config
   from jetspec_jax.decode import profile
   from jetspec_jax.decode.speculative import TreeConfig
   for flag, value in (("--num-prompts", args.num_prompts), ("--prompt-len", args.prompt_len),
@@ -271,15 +282,10 @@ def cmd_profile(args) -> dict:
   out = args.out or os.path.join(args.head, profile.PROFILE_FILE)
   if not os.path.isdir(os.path.dirname(os.path.abspath(out))):
     raise JetSpecError(f"the directory of --out {out} does not exist")
-  impl = _attention(args)
-  _check_positions(read_target_config(args.target)[0], f"--prompt-len {args.prompt_len}", args.prompt_len,
-                   args.max_new_tokens)
-  mesh = _mesh(args)
-  cfg, params, side = load_target(args.target, _dtype(args.dtype), mesh)
-  head_cfg, head_params = load_head(args.head, _dtype(args.dtype), mesh, target_cfg=cfg)
+  impl, mesh, cfg, params, head_cfg, head_params, side = _target_and_head(args)
   tree = TreeConfig(args.tree, args.budget, args.width, head_cfg.depth if args.depth is None else args.depth)
   tokenizer = _load_tokenizer(side)
-  say = (lambda *a: None) if args.json else (lambda m: print(f"  {m}", file=sys.stderr, flush=True))
+  say = _status_lines(args)
   prompts = []
   for bank in args.bank:
     prompts += bench.prompt_bank(bank, tokenizer, num_prompts=args.num_prompts, prompt_len=args.prompt_len,
@@ -296,8 +302,7 @@ def cmd_profile(args) -> dict:
          "acceptance": acc.tolist()}
   rows = [{"depth": d + 1, "visits": prof.visits[d]} | {f"r{r}": float(acc[d, r]) for r in range(prof.width)}
           for d in range(prof.depth)]
-  from jetspec_jax.bench import format_table
-  _emit(args, res, format_table(rows) + f"\n{len(prompts)} prompts, {prof.visits[0]} rounds, tau {tau:.2f} "
+  _emit(args, res, bench.format_table(rows) + f"\n{len(prompts)} prompts, {prof.visits[0]} rounds, tau {tau:.2f} "
                    f"({tree.method}, budget {tree.budget}); profile in {os.path.abspath(out)}")
   return res
 

@@ -5,7 +5,7 @@ import os
 
 from jetspec_jax import cli
 from jetspec_jax.decode import profile
-from test_cli_errors import bench_world, one_sentence, target, head  # noqa: F401  (fixtures)
+from test_cli_errors import bench_world, one_sentence  # noqa: F401  (bench_world: a fixture)
 
 PROFILE_FLAGS = ["--num-prompts", "1", "--prompt-len", "4", "--max-new-tokens", "6", "--budget", "8", "--width", "2"]
 

@@ -30,6 +30,7 @@ from jetspec_jax.decode import sampling, speculative
 from jetspec_jax.decode.generation import acceptance
 from jetspec_jax.decode.generation import Generator, SamplingConfig
 from jetspec_jax.decode.loop import prefill
+from jetspec_jax.decode.profile import AcceptanceProfile
 from jetspec_jax.decode.prompts import batch_prompts
 from jetspec_jax.decode.speculative import TreeConfig
 from jetspec_jax.errors import JetSpecError
@@ -188,6 +189,11 @@ def run_spec(tree_cfg, variants, *, batch, max_new, temperature, top_k=0, top_p=
 TREE = TreeConfig("accum_logp", budget=8, width=4, depth=3)
 BEST_NODES = TreeConfig("best_nodes", budget=8, width=4, depth=3)
 CHAIN = TreeConfig("chain", budget=1, width=1, depth=3)
+# Shapes from measured acceptance: a static tree bushy at depth 1 (a made-up profile), and a calibrated tree
+# whose shape moves with the counts of the sequence's own earlier rounds.
+STATIC = TreeConfig("static", budget=8, width=4, depth=3, profile=AcceptanceProfile.from_counts(
+    [100, 50, 20], [[30, 20, 10, 5], [25, 5, 2, 1], [8, 2, 1, 0]], [[40, 10, 5, 5], [20, 10, 5, 5], [10, 5, 2, 1]]))
+CALIBRATED_ONLINE = TreeConfig("calibrated", budget=8, width=4, depth=3, online="sequence", prior_strength=1.0)
 TREE_VARIANTS = ("root", "random", "zero_top", "head")
 CHAIN_VARIANTS = ("root", "random", "zero_top", "oracle")
 BATCH = 12000
@@ -196,6 +202,8 @@ SPEC_CASES = [
     # (accept, tree, variants, temperature, top_k, top_p, max_new)
     ("rejection", TREE, TREE_VARIANTS, 1.0, 3, 1.0, NUM_TOKENS),      # top-k 3 < width 4: support runs out
     ("rejection", BEST_NODES, TREE_VARIANTS, 0.8, 0, 0.9, NUM_TOKENS),
+    ("rejection", STATIC, TREE_VARIANTS, 1.0, 0, 1.0, NUM_TOKENS),
+    ("rejection", CALIBRATED_ONLINE, TREE_VARIANTS, 0.9, 0, 1.0, NUM_TOKENS),
     ("rejection", CHAIN, CHAIN_VARIANTS, 0.7, 0, 0.8, 1 + 2 * 4),     # two full oracle rounds
     ("match", TREE, TREE_VARIANTS, 1.0, 0, 1.0, NUM_TOKENS),
     ("match", CHAIN, CHAIN_VARIANTS, 1.3, 5, 0.9, NUM_TOKENS),
