@@ -279,3 +279,23 @@ def test_profile_json_round_trip_and_errors(tmp_path):
 def test_bad_tree_configs(kw, match):
   with pytest.raises(JetSpecError, match=match):
     TreeConfig(budget=8, width=3, depth=4, **kw).validate(head(block_size=5)[0])
+
+
+def test_online_calibration_on_a_2x2_mesh():
+  """The batch-summed counts of a data-sharded batch: still lossless, and the counts equal the unsharded run's."""
+  if jax.device_count() < 4:
+    pytest.skip("needs 4 devices (XLA_FLAGS=--xla_force_host_platform_device_count=8)")
+  from jetspec_jax.models import draft_head, qwen3
+  from jetspec_jax.sharding import make_mesh
+  from test_decode_attention import place
+  hcfg, hparams = head(block_size=5)
+  mesh = make_mesh(2, 2, jax.devices()[:4])
+  tp = place(target(), qwen3.param_specs(CFG), mesh)
+  hp = place(hparams, draft_head.param_specs(hcfg), mesh)
+  prompts = PROMPTS3[:2]
+  tc = TreeConfig("calibrated", 16, 3, 4, profile=_profile_of_random_head(), online="batch")
+  out = Generator(CFG, tp, head_cfg=hcfg, head_params=hp, tree=tc, mesh=mesh).generate(prompts, 21)
+  ref = Generator(CFG, target(), head_cfg=hcfg, head_params=hparams, tree=tc).generate(prompts, 21)
+  assert out.tokens == ar_tokens(2, 21) == ref.tokens
+  np.testing.assert_array_equal(out.rank_hits, ref.rank_hits)
+  np.testing.assert_array_equal(out.depth_visits, ref.depth_visits)
