@@ -16,7 +16,17 @@ from jetspec_jax.decode.speculative import TreeConfig, calibration_counts, obser
 from jetspec_jax.decode.tree import build_tree
 from jetspec_jax.decode.verify import Acceptance
 from jetspec_jax.errors import JetSpecError
-from test_speculative import CFG, PROMPTS3, ar_tokens, head, target
+from test_generation import CFG, HEAD, PROMPTS, weights
+
+
+@functools.cache
+def ar_tokens(max_new):
+  return Generator(CFG, weights()[0], eos_ids=()).generate(PROMPTS, max_new).tokens
+
+
+def speculative(tree, mesh=None, params=None):
+  target, head = params or weights()
+  return Generator(CFG, target, head_cfg=HEAD, head_params=head, tree=tree, eos_ids=(), mesh=mesh)
 
 
 def _random_profile(seed, depth, width, rounds=200):
@@ -199,42 +209,33 @@ def test_calibration_counts_pool_the_profile_and_the_loop():
   assert calibration_counts(tc("off", None), (hits, mass)) is None
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _profile_of_random_head():
-  hcfg, hparams = head(block_size=5)
-  out = Generator(CFG, target(), head_cfg=hcfg, head_params=hparams,
-                  tree=TreeConfig("best_nodes", 16, 3, 4)).generate(PROMPTS3, 21)
-  return acceptance_profile([out])
+  return acceptance_profile([speculative(TreeConfig("best_nodes", 16, 3, 4)).generate(PROMPTS, 21)])
 
 
 LOSSLESS_CASES = [
-    # (tree config, batch)
-    (dict(method="rank_caps", budget=16, width=3), 3),
-    (dict(method="static", budget=16, width=3), 3),
-    (dict(method="calibrated", budget=16, width=3), 3),
-    (dict(method="calibrated", budget=16, width=3, online="batch"), 3),
-    (dict(method="calibrated", budget=8, width=2, online="sequence", prior_strength=1.0), 3),
-    (dict(method="calibrated", budget=16, width=3, online="sequence", use_profile=False), 1),
+    dict(method="rank_caps", budget=16, width=3),
+    dict(method="static", budget=16, width=3),
+    dict(method="calibrated", budget=16, width=3),
+    dict(method="calibrated", budget=16, width=3, online="batch"),
+    dict(method="calibrated", budget=8, width=2, online="sequence", prior_strength=1.0),
+    dict(method="calibrated", budget=16, width=3, online="sequence", use_profile=False),
 ]
 
 
-@pytest.mark.parametrize("kw,batch", LOSSLESS_CASES, ids=lambda x: "-".join(map(str, x.values()))
-                         if isinstance(x, dict) else str(x))
-def test_profile_guided_trees_are_lossless(kw, batch):
+@pytest.mark.parametrize("kw", LOSSLESS_CASES, ids=lambda x: "-".join(map(str, x.values())))
+def test_profile_guided_trees_are_lossless(kw):
   kw = dict(kw)
   prof = _profile_of_random_head() if kw.pop("use_profile", True) else None
-  hcfg, hparams = head(block_size=5)
-  tc = TreeConfig(depth=4, profile=prof, **kw)
-  out = Generator(CFG, target(), head_cfg=hcfg, head_params=hparams, tree=tc).generate(PROMPTS3[:batch], 21)
-  assert out.tokens == ar_tokens(batch, 21)
+  out = speculative(TreeConfig(depth=4, profile=prof, **kw)).generate(PROMPTS, 21)
+  assert out.tokens == ar_tokens(21)
 
 
 def test_loop_counts_are_consistent_with_the_acceptance():
   """For a chain every hit at depth d is an acceptance, so visits[d] == hits[d-1][0]; visits[d-1] counts the
   rounds that accepted at least d - 1 tokens; every round observes depth 1."""
-  hcfg, hparams = head(block_size=5)
-  out = Generator(CFG, target(), head_cfg=hcfg, head_params=hparams,
-                  tree=TreeConfig("chain", 1, 1, 4)).generate(PROMPTS3, 21)
+  out = speculative(TreeConfig("chain", 1, 1, 4)).generate(PROMPTS, 21)
   visits, hits = out.depth_visits, out.rank_hits
   at_least = out.depth_histogram[:, ::-1].cumsum(axis=1)[:, ::-1]            # [B, D+1]: rounds accepting >= d
   np.testing.assert_array_equal(visits, at_least[:, :4])
@@ -242,8 +243,7 @@ def test_loop_counts_are_consistent_with_the_acceptance():
   np.testing.assert_array_equal(visits[:, 0], out.rounds)
   prof = acceptance_profile([out])
   assert prof.visits[0] == acceptance([out])["rounds"]
-  tree_out = Generator(CFG, target(), head_cfg=hcfg, head_params=hparams,
-                       tree=TreeConfig("accum_logp", 16, 3, 4)).generate(PROMPTS3, 21)
+  tree_out = speculative(TreeConfig("accum_logp", 16, 3, 4)).generate(PROMPTS, 21)
   at_least = tree_out.depth_histogram[:, ::-1].cumsum(axis=1)[:, ::-1]
   np.testing.assert_array_equal(tree_out.depth_visits, at_least[:, :4])
   assert (tree_out.rank_hits.sum(axis=2)[:, :-1] >= tree_out.depth_visits[:, 1:]).all()
@@ -264,8 +264,8 @@ def test_profile_json_round_trip_and_errors(tmp_path):
     profile.load(str(tmp_path / "broken.json"))
   with pytest.raises(JetSpecError, match="no acceptance profile"):
     profile.load(str(tmp_path / "missing.json"))
-  with pytest.raises(JetSpecError, match="covers depth 5 and width 3"):
-    TreeConfig("static", 16, 4, 5, profile=prof).validate(head(block_size=16)[0])
+  with pytest.raises(JetSpecError, match="covers depth 5 and width 3; the tree needs depth 4 and width 4"):
+    TreeConfig("static", 16, 4, 4, profile=prof).validate(HEAD)
   with pytest.raises(JetSpecError, match="inconsistent"):
     AcceptanceProfile.from_counts([3], [[2, 2]], [[1.0, 1.0]])
 
@@ -278,7 +278,7 @@ def test_profile_json_round_trip_and_errors(tmp_path):
 ])
 def test_bad_tree_configs(kw, match):
   with pytest.raises(JetSpecError, match=match):
-    TreeConfig(budget=8, width=3, depth=4, **kw).validate(head(block_size=5)[0])
+    TreeConfig(budget=8, width=3, depth=4, **kw).validate(HEAD)
 
 
 def test_online_calibration_on_a_2x2_mesh():
@@ -288,14 +288,12 @@ def test_online_calibration_on_a_2x2_mesh():
   from jetspec_jax.models import draft_head, qwen3
   from jetspec_jax.sharding import make_mesh
   from test_decode_attention import place
-  hcfg, hparams = head(block_size=5)
   mesh = make_mesh(2, 2, jax.devices()[:4])
-  tp = place(target(), qwen3.param_specs(CFG), mesh)
-  hp = place(hparams, draft_head.param_specs(hcfg), mesh)
-  prompts = PROMPTS3[:2]
+  target, head = weights()
+  placed = (place(target, qwen3.param_specs(CFG), mesh), place(head, draft_head.param_specs(HEAD), mesh))
   tc = TreeConfig("calibrated", 16, 3, 4, profile=_profile_of_random_head(), online="batch")
-  out = Generator(CFG, tp, head_cfg=hcfg, head_params=hp, tree=tc, mesh=mesh).generate(prompts, 21)
-  ref = Generator(CFG, target(), head_cfg=hcfg, head_params=hparams, tree=tc).generate(prompts, 21)
-  assert out.tokens == ar_tokens(2, 21) == ref.tokens
+  out = speculative(tc, mesh, placed).generate(PROMPTS, 21)
+  ref = speculative(tc).generate(PROMPTS, 21)
+  assert out.tokens == ar_tokens(21) == ref.tokens
   np.testing.assert_array_equal(out.rank_hits, ref.rank_hits)
   np.testing.assert_array_equal(out.depth_visits, ref.depth_visits)
