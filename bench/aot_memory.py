@@ -194,7 +194,10 @@ def decode_case(name: str, c: ml_collections.ConfigDict, target: Qwen3Config, co
                      steps=small(()))
   state = speculative.SpecState(base=base, draft_cache=cache(head_cfg.num_hidden_layers, head_cfg.num_key_value_heads,
                                                              draft_len, head_cfg.head_dim),
-                                rounds=small((1,)), depth_hist=small((1, tree.depth + 1)))
+                                rounds=small((1,)), depth_hist=small((1, tree.depth + 1)),
+                                depth_visits=small((1, tree.depth)),
+                                rank_hits=small((1, tree.depth, tree.num_candidates)),
+                                rank_mass=small((1, tree.depth, tree.num_candidates), jnp.float32))
   target_params = abstract_params(qwen3.param_specs(target), dtype, mesh)
   head_params = abstract_params(draft_head.param_specs(head_cfg), dtype, mesh)
   t0 = time.perf_counter()

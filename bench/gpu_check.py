@@ -318,7 +318,9 @@ def phase_section(model: DecodeModel, *, budgets: tuple[int, ...], attn_impl: st
     parents, mask = random_tree(rng, 1, nodes)
     tree = Tree(tokens=jnp.asarray(rng.integers(0, cfg.vocab_size, (1, nodes)), jnp.int32),
                 parents=jnp.asarray(parents), depths=jnp.asarray(mask.sum(-1, dtype=np.int32) - 1),
-                valid=jnp.ones((1, nodes), bool), ancestors=jnp.asarray(mask))
+                valid=jnp.ones((1, nodes), bool), ancestors=jnp.asarray(mask),
+                candidates=jnp.zeros((1, 1, 0), jnp.int32),        # verification reads no candidate lists
+                candidate_logp=jnp.zeros((1, 1, 0), jnp.float32))
 
     def step(params, cache):           # the round's verification; its taps feed the commit phase, not timed here
       logits, cache, _ = verify_tree(params, cfg, tree, cache, prefix_len, tap_layers=(), attn_impl=attn_impl)

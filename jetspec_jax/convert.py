@@ -335,6 +335,18 @@ def _no_phase(name: str) -> None:
   pass
 
 
+def _declare_dtype(config_path: str, dtype: str) -> None:
+  """Make the copied config.json name the weights' dtype (``dtype`` for transformers 5, ``torch_dtype`` for
+  4.x) when a cast changed it; an unchanged config stays byte for byte."""
+  with open(config_path) as f:
+    config = json.load(f)
+  if config.get("dtype", config.get("torch_dtype")) == dtype and config.get("torch_dtype", dtype) == dtype:
+    return
+  config["dtype"] = config["torch_dtype"] = dtype
+  with open(config_path, "w") as f:
+    json.dump(config, f, indent=2)
+
+
 def convert_hf(hf_dir: str, out_dir: str, dtype=None, mesh=None, overwrite=False,
                progress=iter, on_phase: Callable[[str], None] = _no_phase) -> dict:
   """HF directory -> converted checkpoint (orbax params + hf/ side files), written atomically.
@@ -349,6 +361,7 @@ def convert_hf(hf_dir: str, out_dir: str, dtype=None, mesh=None, overwrite=False
     os.makedirs(os.path.join(tmp, "hf"))
     copy_side_files(side, os.path.join(tmp, "hf"))
     stored = str(params["embed"].dtype)
+    _declare_dtype(os.path.join(tmp, "hf", "config.json"), stored)
     with open(os.path.join(tmp, CHECKPOINT_MARKER), "w") as f:
       json.dump({"kind": "target", "dtype": stored, "architecture": cfg.architecture, "format_version": 1}, f)
   return {"out_dir": os.path.abspath(out_dir), "dtype": stored, "num_params": int(sum(p.size for p in params.values())),

@@ -200,6 +200,9 @@ def test_convert_casts_dtype_like_torch(hf_dir, tmp_path):
   convert.export_hf(ckpt, out)
   want = {k: v.to(torch.bfloat16) for k, v in read_safetensors(hf_in).items()}
   assert_bit_exact(read_safetensors(out), want)
+  for d in (os.path.join(ckpt, "hf"), out):              # the config names the cast dtype for 4.x and 5.x
+    config = json.load(open(os.path.join(d, "config.json")))
+    assert config["dtype"] == config["torch_dtype"] == "bfloat16", d
 
 
 # ---------------------------------------------------------------- side files
