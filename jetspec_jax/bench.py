@@ -23,13 +23,13 @@ import platform
 import re
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from jetspec_jax import files
 from jetspec_jax.errors import JetSpecError
 
 BANKS = ("humaneval", "sharegpt")
@@ -347,18 +347,7 @@ def write_json(path: str | os.PathLike, result: dict[str, Any]) -> str:
   """The one JSON writer: ``result`` to ``path`` through a temporary file in the same directory, renamed
   over it, so a reader never sees half a document (a report rewritten after every section included).
   numpy scalars / arrays and paths are converted. Returns the path."""
-  path = Path(path)
-  path.parent.mkdir(parents=True, exist_ok=True)
-  fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-  try:
-    with os.fdopen(fd, "w") as f:
-      json.dump(result, f, indent=2, default=_json_default)
-      f.write("\n")
-    os.replace(tmp, path)
-  except BaseException:
-    os.remove(tmp)
-    raise
-  return str(path)
+  return files.write_json(path, result, default=_json_default)
 
 
 def save_results(result: dict[str, Any], out: str | os.PathLike | None, name: str) -> list[str]:

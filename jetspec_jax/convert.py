@@ -19,7 +19,6 @@ import dataclasses
 import glob
 import json
 import os
-import shutil
 from typing import Callable, Iterator, Sequence
 
 import jax
@@ -28,6 +27,7 @@ from safetensors import SafetensorError, safe_open
 
 from jetspec_jax.checkpoint import atomic_directory, check_output_dir, restore_params, save_params
 from jetspec_jax.config import Qwen3Config, load_hf_config, read_json
+from jetspec_jax import files
 from jetspec_jax.errors import JetSpecError
 from jetspec_jax.models.params import ParamSpec
 from jetspec_jax.sharding import named_sharding
@@ -280,19 +280,13 @@ def copy_side_files(src_dir: str, dst_dir: str, names: Sequence[str] = ("config.
     src, dst = os.path.join(src_dir, n), os.path.join(dst_dir, n)
     if not os.path.isfile(src):
       continue
-    rewrite, tmp = _HF4_REWRITES.get(n), dst + ".tmp"
+    rewrite = _HF4_REWRITES.get(n)
     original = read_json(src, n) if rewrite else None
     fixed = rewrite(original) if rewrite else None
-    try:
-      if fixed != original:
-        with open(tmp, "w", encoding="utf-8") as f:
-          f.write(json.dumps(fixed, indent=2, ensure_ascii=False) + "\n")
-      else:
-        shutil.copy2(src, tmp)
-      os.replace(tmp, dst)
-    finally:
-      if os.path.lexists(tmp):
-        os.remove(tmp)
+    if fixed != original:
+      files.write_json(dst, fixed, ensure_ascii=False)
+    else:
+      files.copy_file(src, dst)
     copied.append(n)
   return copied
 

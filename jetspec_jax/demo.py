@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import json
 import os
 import time
 
@@ -28,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jetspec_jax import bench, cache, convert
+from jetspec_jax import bench, cache, convert, files
 from jetspec_jax.decode.generation import Generator, acceptance
 from jetspec_jax.decode.speculative import TreeConfig
 from jetspec_jax.models import draft_head, qwen3
@@ -78,13 +77,6 @@ QUICK = DemoSettings(tokenizer_texts=300, vocab_size=512, seq_len=96, pretrain_c
 def _sharegpt_slice(start: int, stop: int):
   from jetspec_jax.train.sources import iter_conversations
   return list(itertools.islice(iter_conversations("sharegpt"), start, stop))
-
-
-def _write_jsonl(path: str, conversations) -> None:
-  with open(path + ".tmp", "w") as f:
-    for c in conversations:
-      f.write(json.dumps({"messages": c}) + "\n")
-  os.replace(path + ".tmp", path)
 
 
 def _transformers_logits_error(hf_dir: str, cfg, params) -> float:
@@ -155,7 +147,7 @@ def build_target(s: DemoSettings, root: str, out_dir: str, progress: bool) -> di
   tok_dir = os.path.join(root, "tokenizer")
   tokenizer = load_tokenizer(tok_dir)
   source = os.path.join(root, "pretrain.jsonl")
-  _write_jsonl(source, _sharegpt_slice(0, s.pretrain_conversations))
+  files.write_jsonl(source, ({"messages": c} for c in _sharegpt_slice(0, s.pretrain_conversations)))
   rows = records.prepare_dataset(source, tokenizer, os.path.join(root, "pretrain_data"), seq_len=s.seq_len,
                                  pack=True)
   cfg = pretrain.default_demo_config(len(tokenizer), tokenizer.eos_token_id, tokenizer.pad_token_id,
@@ -181,7 +173,8 @@ def build_regenerated(s: DemoSettings, root: str, out_dir: str, progress: bool) 
   cfg, params, _ = convert.load_target(os.path.join(root, "target_ckpt"), jnp.float32)
   source = os.path.join(root, "regen_source.jsonl")
   start = s.pretrain_conversations
-  _write_jsonl(source, _sharegpt_slice(start, start + s.regen_conversations) + _code_prompts(s, root))
+  files.write_jsonl(source, ({"messages": c} for c in _sharegpt_slice(start, start + s.regen_conversations)
+                             + _code_prompts(s, root)))
   return regenerate.regenerate((cfg, params, os.path.join(root, "tokenizer")), source, out_dir,
                                max_new_tokens=s.regen_max_new_tokens, batch_size=s.regen_batch, seed=s.seed,
                                max_prompt_tokens=s.seq_len // 2, progress=progress)
@@ -271,8 +264,7 @@ def run(workdir: str | None = None, settings: DemoSettings = DemoSettings(), qui
   res["seconds"] = time.perf_counter() - t_start
   trees = [m for b in res["bench"].values() for n, m in b["modes"].items() if n != "ar"]
   res["ok"] = bool(res["stages"]["convert"]["round_trip_bit_exact"] and all(m["equals_ar"] for m in trees))
-  with open(os.path.join(root, "demo.json"), "w") as f:
-    json.dump(res, f, indent=2, default=str)
+  files.write_json(os.path.join(root, "demo.json"), res, default=str)
   return res
 
 

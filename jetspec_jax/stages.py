@@ -21,6 +21,8 @@ import os
 import shutil
 from typing import Sequence
 
+from jetspec_jax.files import write_json
+
 PROJECT_PACKAGES = ("jetspec_jax", "pallas_kernels")
 
 
@@ -244,7 +246,5 @@ class Stage:
 
   def finish(self, info: dict) -> dict:
     info = dict(info, key=self.key)
-    with open(self.marker + ".tmp", "w") as f:
-      json.dump(dict(info, key_parts=self.parts), f, indent=2, default=str)
-    os.replace(self.marker + ".tmp", self.marker)
+    write_json(self.marker, dict(info, key_parts=self.parts), default=str)
     return info

@@ -14,6 +14,7 @@ import os
 from typing import Any, Iterable
 
 from jetspec_jax.errors import JetSpecError
+from jetspec_jax.files import write_json
 
 PAD, IM_START, IM_END, THINK, END_THINK, MASK = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>",
                                                 "</think>", "<|MASK|>")
@@ -91,9 +92,7 @@ def train_chat_tokenizer(texts: Iterable[str], vocab_size: int, out_dir: str, *,
   path = os.path.join(out_dir, "tokenizer_config.json")
   with open(path, encoding="utf-8") as f:
     config = hf4_tokenizer_config(json.load(f))
-  with open(path + ".tmp", "w", encoding="utf-8") as f:
-    f.write(json.dumps(config, indent=2, sort_keys=True, ensure_ascii=False) + "\n")    # as save_pretrained
-  os.replace(path + ".tmp", path)
+  write_json(path, config, sort_keys=True, ensure_ascii=False)    # as save_pretrained
   return out_dir
 
 

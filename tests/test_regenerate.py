@@ -88,18 +88,18 @@ def test_regenerate_resumes_exactly_once_and_matches_greedy(tmp_path, tok, targe
   assert first["examples"] == 5 and first["chunks_written"] == 2
 
   # Second run: crash after its first new chunk ([4, 8), which replaces the short [4, 5)).
-  real_write = regen._write_jsonl
+  real_write = regen.write_jsonl
 
   def write_once(path, rows):
     real_write(path, rows)
-    monkeypatch.setattr(regen, "_write_jsonl", lambda *a: (_ for _ in ()).throw(KeyboardInterrupt))
+    monkeypatch.setattr(regen, "write_jsonl", lambda *a: (_ for _ in ()).throw(KeyboardInterrupt))
 
-  monkeypatch.setattr(regen, "_write_jsonl", write_once)
+  monkeypatch.setattr(regen, "write_jsonl", write_once)
   with pytest.raises(KeyboardInterrupt):
     regen.regenerate((cfg, params, tok), source, out, **kw)
   assert sorted(f for f in os.listdir(out) if f.endswith(".jsonl")) == [
       "chunk-000000000-000000004.jsonl", "chunk-000000004-000000008.jsonl"]
-  monkeypatch.setattr(regen, "_write_jsonl", real_write)
+  monkeypatch.setattr(regen, "write_jsonl", real_write)
 
   last = regen.regenerate((cfg, params, tok), source, out, **kw)
   assert last["chunks_reused"] == 2 and last["chunks_written"] == 1 and last["examples"] == 2

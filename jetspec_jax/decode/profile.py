@@ -32,6 +32,7 @@ import os
 import numpy as np
 
 from jetspec_jax.errors import JetSpecError
+from jetspec_jax.files import write_json
 
 PROFILE_FORMAT = "jetspec-acceptance-profile"
 PROFILE_FILE = "acceptance_profile.json"
@@ -93,11 +94,7 @@ class AcceptanceProfile:
 
   def save(self, path: str, meta: dict | None = None) -> str:
     """Write the JSON (temp file, then rename); returns the path."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-      json.dump(self.to_json(meta), f, indent=1)
-    os.replace(tmp, path)
-    return path
+    return write_json(path, self.to_json(meta), indent=1)
 
 
 def load(path: str) -> AcceptanceProfile:

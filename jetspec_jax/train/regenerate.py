@@ -32,6 +32,7 @@ from tqdm.auto import tqdm
 from jetspec_jax.decode.generation import Generator, SamplingConfig
 from jetspec_jax.distributed import from_first_process
 from jetspec_jax.errors import JetSpecError
+from jetspec_jax.files import write_json, write_jsonl
 from jetspec_jax.tokenizer import IM_END, PAD, load_tokenizer
 from jetspec_jax.train.chat import ChatEncoder
 from jetspec_jax.train.sources import Conversation, iter_conversations
@@ -115,21 +116,9 @@ def _open_output(out_dir: str, settings: dict) -> dict:
         return {"problem": f"{out_dir} was regenerated with {key}={stored.get(key)!r}, not {value!r}: "
                            f"rerun with the same settings or use a new output directory", "chunks": []}
   else:
-    with open(path, "w") as f:
-      json.dump(settings, f, indent=2)
+    write_json(path, settings)
   return {"problem": None,
           "chunks": [[int(m[1]), int(m[2]), name] for name in os.listdir(out_dir) if (m := CHUNK_RE.match(name))]}
-
-
-def _write_jsonl(path: str, rows: list[dict]) -> None:
-  """Write rows to a temporary file, then rename it to ``path`` (readers never see a partial file)."""
-  tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp")
-  with open(tmp, "w", encoding="utf-8") as f:
-    for row in rows:
-      f.write(json.dumps(row, ensure_ascii=False) + "\n")
-    f.flush()
-    os.fsync(f.fileno())
-  os.replace(tmp, path)
 
 
 def regenerate(target, source: str, out_dir: str, *, max_new_tokens: int = 1024, batch_size: int = 32,
@@ -189,7 +178,7 @@ def regenerate(target, source: str, out_dir: str, *, max_new_tokens: int = 1024,
                              key=jax.random.fold_in(jax.random.key(seed), k), max_turns=max_turns,
                              max_prompt_tokens=max_prompt_tokens, mesh=mesh)
     if writer:
-      _write_jsonl(os.path.join(out_dir, chunk_name(start, end)), rows)
+      write_jsonl(os.path.join(out_dir, chunk_name(start, end)), rows)
     summary["examples"] += len(rows)
     summary["chunks_written"] += 1
     bar.update(len(chunk))

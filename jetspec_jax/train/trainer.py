@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import os
 
 import jax
@@ -22,7 +21,7 @@ import ml_collections
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jetspec_jax import convert
+from jetspec_jax import convert, files
 from jetspec_jax.checkpoint import CheckpointStore
 from jetspec_jax.config import Qwen3Config, parse_dtype
 from jetspec_jax.distributed import host_values
@@ -217,6 +216,5 @@ def run(c: ml_collections.ConfigDict, *, progress: bool = True, stop_after: int 
     summary["head_dir"] = head_dir
   store.close()
   if jax.process_index() == 0:
-    with open(os.path.join(out_dir, "summary.json"), "w") as f:
-      json.dump(summary, f, indent=2, default=str)
+    files.write_json(os.path.join(out_dir, "summary.json"), summary, default=str)
   return summary
