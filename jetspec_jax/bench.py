@@ -344,9 +344,8 @@ def format_table(rows: Sequence[dict[str, Any]], columns: Sequence[str] | None =
 
 
 def write_json(path: str | os.PathLike, result: dict[str, Any]) -> str:
-  """The one JSON writer: ``result`` to ``path`` through a temporary file in the same directory, renamed
-  over it, so a reader never sees half a document (a report rewritten after every section included).
-  numpy scalars / arrays and paths are converted. Returns the path."""
+  """A report as JSON, written whole by ``files.write_json`` (a report rewritten after every section
+  included), with numpy scalars / arrays and paths converted. Returns the path."""
   return files.write_json(path, result, default=_json_default)
 
 
