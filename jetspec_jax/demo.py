@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jetspec_jax import bench, cache, convert, files
+from jetspec_jax.errors import JetSpecError
 from jetspec_jax.decode.generation import Generator, acceptance
 from jetspec_jax.decode.speculative import TreeConfig
 from jetspec_jax.models import draft_head, qwen3
@@ -59,7 +60,9 @@ class DemoSettings:
   head_lr: float = 5e-3
   head_anchors: int = 32
   head_loss: str = "ce"               # see docs/demo.md: why CE and not KL for this small target
-  bench_prompts: int = 6
+  bench_prompts: int = 64             # per bank, for tau (HumanEval: the problems before regen_humaneval_from)
+  bench_batch: int = 16               # tau's batch (greedy tau does not depend on it)
+  speed_prompts: int = 6              # the first ones, at batch 1, for tokens/s (machine-dependent on a CPU)
   bench_prompt_len: int = 48
   bench_new_tokens: int = 64
   bench_budgets: tuple[int, ...] = (16, 32, 64)
@@ -72,8 +75,8 @@ class DemoSettings:
 QUICK = DemoSettings(tokenizer_texts=300, vocab_size=512, seq_len=96, pretrain_conversations=400, pretrain_steps=150,
                      pretrain_batch=8, regen_conversations=96, regen_humaneval_from=140, regen_code_windows=3,
                      regen_max_new_tokens=64, regen_batch=16, head_steps=300, head_batch=16, head_lr=3e-3,
-                     head_anchors=16, bench_prompts=2,
-                     bench_prompt_len=24, bench_new_tokens=48, bench_budgets=(16, 64), bench_repeats=1)
+                     head_anchors=16, bench_prompts=16,
+                     bench_batch=8, speed_prompts=2, bench_prompt_len=24, bench_new_tokens=48, bench_budgets=(16, 64), bench_repeats=1)
 
 
 def _sharegpt_slice(start: int, stop: int):
@@ -227,7 +230,8 @@ def run(workdir: str | None = None, settings: DemoSettings = DemoSettings(), qui
   os.makedirs(root, exist_ok=True)
   say = (lambda *a: None) if quiet else (lambda *a: print(*a, flush=True))
   t_start = time.perf_counter()
-  res: dict = {"workdir": root, "backend": jax.default_backend(), "settings": dataclasses.asdict(s), "stages": {}}
+  res: dict = {"workdir": root, "backend": jax.default_backend(), "machine": {**bench.machine_info(), **cpu_kind()},
+               "settings": dataclasses.asdict(s), "stages": {}}
 
   for name, parts in stage_key_parts(STAGES, s).items():
     st = Stage(root, name, parts, STAGE_SCRATCH.get(name, ()))
@@ -243,32 +247,89 @@ def run(workdir: str | None = None, settings: DemoSettings = DemoSettings(), qui
   cfg, params, _ = convert.load_target(os.path.join(root, "target_ckpt"), jnp.float32)
   head_dir = res["stages"]["train_head"]["head_dir"]
 
-  # 6. bench
+  # 6. bench: tau on many prompts (it moves with the CPU's float32 bits: docs/demo.md), speed on a few at batch 1
   say("[bench] AR vs chain vs tree, and an untrained head for reference")
   head_cfg, head_params = convert.load_head(head_dir, jnp.float32, target_cfg=cfg)
   untrained = draft_head.init_head(head_cfg, jax.random.key(s.seed + 7))
   res["bench"] = {}
-  offset = s.pretrain_conversations + s.regen_conversations
   for bank in ("humaneval", "sharegpt"):
-    prompts = (bench.prompt_bank(bank, tokenizer, num_prompts=s.bench_prompts, prompt_len=s.bench_prompt_len)
-               if bank == "humaneval" else
-               bench.prompt_bank(bank, tokenizer, num_prompts=s.bench_prompts, prompt_len=s.bench_prompt_len,
-                                 offset=offset))
-    r = bench.run(params, cfg, head_params, head_cfg, prompts, max_new_tokens=s.bench_new_tokens,
-                  budgets=s.bench_budgets, width=s.bench_width, methods=s.bench_trees, repeats=s.bench_repeats,
-                  eos_ids=(),
-                  progress=lambda m: say(f"  {bank}: {m}"))
+    prompts = bench_prompts(s, bank, tokenizer)
+    runs = {}
+    for part, batch, count in (("tau", s.bench_batch, s.bench_prompts), ("speed", 1, s.speed_prompts)):
+      runs[part] = bench.run(params, cfg, head_params, head_cfg, prompts[:count], max_new_tokens=s.bench_new_tokens,
+                             budgets=s.bench_budgets, width=s.bench_width, methods=s.bench_trees, batch_size=batch,
+                             repeats=1 if part == "tau" else s.bench_repeats, eos_ids=(),
+                             progress=lambda m, part=part: say(f"  {bank} ({part}): {m}"))
+    r = merge_runs(runs["tau"], runs["speed"])
     tree = TreeConfig(s.bench_trees[0], max(s.bench_budgets), s.bench_width, head_cfg.depth)
     base = Generator(cfg, params, head_cfg=head_cfg, head_params=untrained, tree=tree, eos_ids=())
-    r["untrained_tree_tau"] = acceptance([base.generate(prompts, s.bench_new_tokens)])["tau"]
+    r["untrained_tree_tau"] = acceptance([base.generate(prompts[:s.speed_prompts], s.bench_new_tokens)])["tau"]
     r["plots"] = bench.plots(r, os.path.join(root, "bench", bank))
     res["bench"][bank] = r
+  res["head_loss_tail"] = head_loss_tail(res["stages"]["train_head"]["output_dir"])
   res["head_dir"] = head_dir
   res["seconds"] = time.perf_counter() - t_start
   trees = [m for b in res["bench"].values() for n, m in b["modes"].items() if n != "ar"]
   res["ok"] = bool(res["stages"]["convert"]["round_trip_bit_exact"] and all(m["equals_ar"] for m in trees))
   files.write_json(os.path.join(root, "demo.json"), res, default=str)
   return res
+
+
+def cpu_kind() -> dict:
+  """What sets this CPU's float32 bits (docs/demo.md): its widest vector ISA and its L3 cache size."""
+  out = {}
+  try:
+    with open("/proc/cpuinfo") as f:
+      flags = set(next(line for line in f if line.startswith("flags")).split(":", 1)[1].split())
+    out["cpu_vector_isa"] = next((isa for isa in ("avx512f", "avx2", "avx", "sse4_2") if isa in flags), "other")
+  except (OSError, StopIteration):
+    pass
+  try:
+    with open("/sys/devices/system/cpu/cpu0/cache/index3/size") as f:
+      out["cpu_l3_cache"] = f.read().strip()
+  except OSError:
+    pass
+  return out
+
+
+def bench_prompts(s: DemoSettings, bank: str, tokenizer) -> list[list[int]]:
+  """The bank's ``bench_prompts`` prompts: HumanEval's problems before those regenerated for the head,
+  ShareGPT's conversations after those used for pretraining and regeneration."""
+  if bank == "humaneval":
+    prompts = bench.prompt_bank(bank, tokenizer, num_prompts=s.bench_prompts, prompt_len=s.bench_prompt_len,
+                                stop=s.regen_humaneval_from)
+  else:
+    prompts = bench.prompt_bank(bank, tokenizer, num_prompts=s.bench_prompts, prompt_len=s.bench_prompt_len,
+                                offset=s.pretrain_conversations + s.regen_conversations)
+  if len(prompts) < s.bench_prompts:
+    raise JetSpecError(f"the {bank} bank has {len(prompts)} prompts of {s.bench_prompt_len} tokens, fewer than "
+                       f"bench_prompts = {s.bench_prompts}")
+  return prompts
+
+
+def merge_runs(tau_run: dict, speed_run: dict) -> dict:
+  """One result per bank: each mode's tau and acceptance from ``tau_run`` (many prompts), its tokens/s,
+  speedup and compile time from ``speed_run`` (a few prompts at batch 1); ``equals_ar`` holds for both.
+  Both runs are kept whole under "tau_run" and "speed_run"."""
+  speed_keys = ("tokens_per_s", "tokens_per_s_passes", "speedup_vs_ar", "compile_s")
+  modes = {}
+  for name, m in tau_run["modes"].items():
+    fast = speed_run["modes"][name]
+    modes[name] = {**m, **{k: fast[k] for k in speed_keys}}
+    if "equals_ar" in m:
+      modes[name]["equals_ar"] = m["equals_ar"] and fast["equals_ar"]
+  timing = (f"tok/s, speedup and compile s: the first {speed_run['num_prompts']} prompts at batch 1, "
+            f"{speed_run['timing']}")
+  return {**tau_run, "modes": modes, "timing": timing, "tau_run": tau_run, "speed_run": speed_run}
+
+
+def head_loss_tail(run_dir: str, share: float = 0.25) -> float:
+  """Mean training loss of the last ``share`` of the logged steps (one batch each; the last alone is noisy)."""
+  import json
+  with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+    losses = [row["loss"] for row in map(json.loads, f) if "loss" in row]
+  tail = losses[-max(1, round(share * len(losses))):]
+  return float(np.mean(tail))
 
 
 def summary(res: dict) -> str:
@@ -278,10 +339,13 @@ def summary(res: dict) -> str:
            f"transformers logits max |diff| {st['target']['transformers_max_abs_logit_error']:.1e}",
            f"HF -> orbax -> HF round trip: {'bit-exact' if st['convert']['round_trip_bit_exact'] else 'MISMATCH'}",
            f"regenerated {st['regenerate'].get('examples')} conversations; head trained "
-           f"{st['train_head']['step']} steps (loss {st['train_head']['metrics'].get('loss', float('nan')):.3f})", ""]
+           f"{st['train_head']['step']} steps (loss {res['head_loss_tail']:.3f}, mean of the last quarter of logged steps)", ""]
   for bank, r in res["bench"].items():
     budget = max(m["budget"] for m in r["modes"].values() if m.get("method") not in (None, "chain"))
     lines += [f"[{bank}]", bench.table(r), f"untrained head, tree budget {budget}: tau {r['untrained_tree_tau']:.2f}", ""]
-  lines += [f"head (HF format): {res['head_dir']}", f"everything under {res['workdir']} ({res['seconds']:.0f}s)",
+  m = res["machine"]
+  lines += [f"machine: {m.get('cpu_model', '?')} ({m.get('cpu_vector_isa', '?')}, L3 {m.get('cpu_l3_cache', '?')}), "
+            f"{m['cpu_count']} CPUs, jax {m.get('jax', '?')}; tau moves with the CPU kind, tok/s with the machine "
+            f"(README)", f"head (HF format): {res['head_dir']}", f"everything under {res['workdir']} ({res['seconds']:.0f}s)",
             "OK" if res["ok"] else "FAILED"]
   return "\n".join(lines)

@@ -52,27 +52,36 @@ def test_trained_head_beats_untrained_and_is_lossless(result):
   assert result["ok"]
 
 
-# The reduced demo's key results, pinned. Every stage is deterministic: three runs from empty work
-# directories under the test environment (8 fake CPU devices) on the 2-core CI machine, on 2026-12-01,
-# gave the same values to the last digit (two standalone runs and this module's fixture), so the
-# tolerance is only float formatting wide. A change that moves them must update them on purpose, with
-# the reason in its commit. Repinned 2026-12-01 when the models became Flax NNX modules: random init now
-# draws each weight from nnx.Rngs in module order (the losses and gradients of a given set of weights
-# are unchanged), so the QUICK target starts from other weights; two runs gave these values exactly.
-QUICK_PINNED = {"head_loss": 0.6213874816894531, "humaneval": {"chain": 94 / 17, "best_tree": 94 / 15},
-                "sharegpt": {"chain": 94 / 29, "best_tree": 94 / 26}}
-QUICK_TOLERANCE = {"head_loss": 1e-6, "tau": 1e-9}
+# Quality bounds of the reduced demo that hold on any x86-64 CPU. Its numbers are deterministic on one
+# machine (test_changed_code_rebuilds_that_stage_and_later_ones) but not across CPU kinds: float32 bits
+# follow the CPU's vector width and matmul blocking, and training from scratch amplifies them. Measured
+# on 2026-12-02 (docs/demo.md, `python bench/numerics_spread.py --quick`) under five numerics: default,
+# one thread, --xla_cpu_max_isa=SSE4_2, --xla_cpu_max_isa=AVX2, --xla_cpu_enable_fast_math. tau moved by up
+# to 2.7 between them (2.87 to 5.61), more than halving the head's learning rate moves it (0.1 to 0.3), so
+# tau has only a sanity floor here. The head's own fit is steadier: over the last quarter of its logged
+# steps, loss 0.82-1.20 and slot-1 top-1 accuracy 0.849-0.904 across the variants, against 1.51 and 0.804
+# for a head trained at half the learning rate (head_lr 1.5e-3) on the default variant's target and data.
+# Each bound sits between the worst variant and the half-rate head.
+QUICK_BOUNDS = {"head_loss_max": 1.35, "slot1_accuracy_min": 0.83, "best_tree_tau_min": 2.2}
 
 
-def test_quick_demo_reproduces_its_pinned_results(result):
-  measured = {"head_loss": result["stages"]["train_head"]["metrics"]["loss"]}
+def head_fit(run_dir: str, share: float = 0.25) -> dict:
+  """Mean loss and slot-1 accuracy over the last ``share`` of the head's logged steps."""
+  rows = [r for r in map(json.loads, open(os.path.join(run_dir, "metrics.jsonl"))) if "loss" in r]
+  tail = rows[-max(1, round(share * len(rows))):]
+  return {"loss": float(np.mean([r["loss"] for r in tail])),
+          "slot1_accuracy": float(np.mean([r["slot_acc_1"] for r in tail]))}
+
+
+def test_quick_demo_meets_its_quality_bounds(result):
+  fit = head_fit(result["stages"]["train_head"]["output_dir"])
+  assert fit["loss"] == pytest.approx(result["head_loss_tail"])
+  assert fit["loss"] <= QUICK_BOUNDS["head_loss_max"], fit
+  assert fit["slot1_accuracy"] >= QUICK_BOUNDS["slot1_accuracy_min"], fit
   for bank, r in result["bench"].items():
-    trees = [m["tau"] for n, m in r["modes"].items() if n not in ("ar", "chain")]
-    measured[bank] = {"chain": r["modes"]["chain"]["tau"], "best_tree": max(trees)}
-  assert abs(measured["head_loss"] - QUICK_PINNED["head_loss"]) <= QUICK_TOLERANCE["head_loss"], measured
-  for bank in ("humaneval", "sharegpt"):
-    for key in ("chain", "best_tree"):
-      assert abs(measured[bank][key] - QUICK_PINNED[bank][key]) <= QUICK_TOLERANCE["tau"], measured
+    assert r["num_prompts"] == demo.QUICK.bench_prompts and r["speed_run"]["num_prompts"] == demo.QUICK.speed_prompts
+    best = max(m["tau"] for n, m in r["modes"].items() if n not in ("ar", "chain"))
+    assert best >= QUICK_BOUNDS["best_tree_tau_min"], (bank, best)
 
 
 def test_trained_head_beats_untrained_on_its_training_prompts(result):
@@ -220,3 +229,12 @@ def test_changed_code_rebuilds_that_stage_and_later_ones(result, tmp_path, monke
   assert rebuilt == {"regenerated", "head_run"}
   assert os.stat(target_file).st_mtime_ns == target_mtime
   assert again["stages"]["regenerate"]["examples"] == result["stages"]["regenerate"]["examples"]
+  # Determinism, the property that holds on every machine: the rebuilt stages are bit-identical to the
+  # first build on this machine (other CPU kinds give other bits: docs/demo.md), and so is every tau.
+  for rel in [os.path.relpath(p, result["workdir"]) for p in
+              sorted(glob.glob(os.path.join(result["workdir"], "regenerated", "chunk-*.jsonl")))
+              + [os.path.join(result["head_dir"], "model.safetensors")]]:
+    with open(os.path.join(result["workdir"], rel), "rb") as a, open(os.path.join(root, rel), "rb") as b:
+      assert a.read() == b.read(), rel
+  taus = lambda res: {(bank, n): m["tau"] for bank, r in res["bench"].items() for n, m in r["modes"].items()}
+  assert taus(again) == taus(result)
