@@ -33,6 +33,8 @@ def test_convert_generate_export_json(hf_dir, tmp_path, capsys):
   assert code == 0 and spec["token_ids"] == res["token_ids"] and spec["rounds"] >= 1 and "tau" in spec
   code, stdout, _ = run(capsys, "export", ckpt, out, "--json")
   assert code == 0 and os.path.isfile(os.path.join(out, "config.json"))
+  # restored sharded over this process's devices (model axis), written one weight at a time
+  assert json.loads(stdout)["restored_on"]["model"] == convert.export_mesh(cfg).shape["model"] > 1
 
 
 @pytest.mark.parametrize("argv,phrase", [
