@@ -5,7 +5,8 @@ config's mesh, optimizer, batch and sequence length, the target's real shapes; w
 ``jax.ShapeDtypeStruct`` carrying the NamedShardings their ParamSpecs give them) is lowered and
 compiled without any weight being allocated; for the 8B and 30B-A3B targets the greedy speculative
 decode loop (``speculative.spec_decode``, batch 1, tree budget 128, bf16, cache of ``--decode-len``
-committed positions, mesh 1 x 8) as well. Reported per device, from ``compiled.memory_analysis()``:
+committed positions, mesh 1 x 8) as well, and for the 8B target regeneration on its config's mesh
+(``--regen``: batch 8, 8192-token prompts, 1024 new tokens; the chunked prefill and one AR step). Reported per device, from ``compiled.memory_analysis()``:
 
 * ``args_gb`` / ``out_gb`` / ``alias_gb`` / ``temp_gb``: arguments, outputs, outputs aliasing donated
   arguments, XLA's temporaries; ``peak_gb`` = args + out - alias + temp (an upper bound: XLA may free
@@ -49,6 +50,7 @@ from jetspec_jax.train.config_file import load_config  # noqa: E402
 NAME = "aot_memory"
 CONFIGS = ("tiny", "qwen3_0p6b", "qwen3_8b", "qwen3_30b_a3b")
 DECODE_CONFIGS = ("qwen3_8b", "qwen3_30b_a3b")
+REGEN_CONFIGS = ("qwen3_8b",)
 # The targets' shapes (Hugging Face config.json of Qwen/Qwen3-0.6B, -8B, -30B-A3B); tiny: a CPU-sized one.
 TARGETS = {
     "tiny": Qwen3Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -210,11 +212,50 @@ def decode_case(name: str, c: ml_collections.ConfigDict, target: Qwen3Config, co
   return row, {"target_cache": target_len, "draft_cache": draft_len, "nodes": tree.num_nodes()}
 
 
+def regen_case(name: str, c: ml_collections.ConfigDict, target: Qwen3Config, batch: int, prompt: int,
+               max_new: int) -> tuple[list[dict], dict]:
+  """(table rows, details) of regeneration on the config's mesh: the chunked prefill of ``batch`` prompts of
+  ``prompt`` tokens (``loop.prefill_chunk``'s chunk) and one AR step over a cache of prompt + max_new
+  positions (bf16 weights and cache)."""
+  from jetspec_jax.decode import loop
+  mesh = trainer.build_mesh(c.mesh)
+  dtype, length = jnp.bfloat16, prompt + max_new
+  chunk = loop.prefill_chunk(batch, target.num_attention_heads, prompt, length, mesh)
+  shape = (batch, target.num_key_value_heads, length, target.head_dim)
+  sds = jax.ShapeDtypeStruct(shape, dtype, sharding=named_sharding(qwen3.CACHE_AXES, shape, mesh))
+  cache = qwen3.KVCache(k=(sds,) * target.num_hidden_layers, v=(sds,) * target.num_hidden_layers)
+  rows_sharding = named_sharding(("batch", None), (batch, prompt), mesh)
+  vec = lambda dt=jnp.int32: jax.ShapeDtypeStruct((batch,), dt, sharding=named_sharding(("batch",), (batch,), mesh))
+  key = jax.eval_shape(lambda: jax.random.split(jax.random.key(0), batch))
+  params = abstract_params(qwen3.param_specs(target), dtype, mesh)
+  kw = dict(cfg=target, eos_ids=(), temperature=0.0, mesh=mesh)
+  t0 = time.perf_counter()
+  prefill = loop.prefill.lower(params, cache, jax.ShapeDtypeStruct((batch, prompt), jnp.int32, sharding=rows_sharding),
+                               vec(), vec(key.dtype), max_new_tokens=max_new, chunk=chunk, **kw).compile()
+  state = DecodeState(cache=cache, tokens=jax.ShapeDtypeStruct((batch, max_new), jnp.int32, sharding=rows_sharding),
+                      num_tokens=vec(), last_token=vec(), prefix_len=vec(), done=vec(jnp.bool_),
+                      key=vec(key.dtype), steps=jax.ShapeDtypeStruct((), jnp.int32))
+  t1 = time.perf_counter()
+  step = loop.ar_decode.lower(params, state, **kw).compile()
+  t2 = time.perf_counter()
+  mesh_text = f"{mesh.shape['data']}x{mesh.shape['model']}"
+  prefill_flops = target_flops(target, batch * prompt, length)
+  rows = [{"config": name, "program": f"regen prefill b{batch} x {prompt} (chunk {chunk})", "mesh": mesh_text,
+           **memory_row(prefill), **flops_row(prefill, prefill_flops), "compile_s": t1 - t0},
+          {"config": name, "program": f"regen AR step b{batch}, cache {length}", "mesh": mesh_text,
+           **memory_row(step), **flops_row(step, target_flops(target, batch, length), unknown_trips=1),
+           "compile_s": t2 - t1}]
+  return rows, {"chunk": chunk, "cache_positions": length, "batch": batch}
+
+
 def main(argv: list[str] | None = None) -> int:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated subset of {', '.join(CONFIGS)}")
   p.add_argument("--layers", type=int, default=0, help="> 0: cut every target and head to this many layers (CI)")
   p.add_argument("--no-decode", action="store_true", help="skip the speculative decode loop")
+  p.add_argument("--no-regen", action="store_true", help="skip regeneration (chunked prefill and an AR step)")
+  p.add_argument("--regen", default="8,8192,1024", help="regeneration's batch,prompt tokens,new tokens")
+  p.add_argument("--no-train", action="store_true", help="skip the train step")
   p.add_argument("--decode-len", type=int, default=4096, help="committed positions (prompt + max_new_tokens)")
   p.add_argument("--budget", type=int, default=128, help="tree node budget of the decode loop")
   p.add_argument("--budget-gb", type=float, default=80.0)
@@ -240,15 +281,18 @@ def main(argv: list[str] | None = None) -> int:
       layers = target.num_hidden_layers
       c.head.target_layer_ids = tuple(sorted({min(t, layers - 1) for t in c.head.target_layer_ids}))
       c.head.num_layers = min(c.head.num_layers, args.layers)
-    programs = [("train", lambda: train_case(name, c, target))]
+    programs = [] if args.no_train else [("train", lambda: train_case(name, c, target))]
     if name in DECODE_CONFIGS and not args.no_decode:
       programs.append(("decode", lambda: decode_case(name, c, target, args.decode_len, args.budget)))
+    if name in REGEN_CONFIGS and not args.no_regen:
+      programs.append(("regen", lambda: regen_case(name, c, target, *map(int, args.regen.split(",")))))
     for kind, run in programs:
-      row, info = run()
-      row["fits"] = row["peak_gb"] <= args.budget_gb - args.headroom_gb
-      rows.append(row)
+      new_rows, info = run()
+      for row in new_rows if isinstance(new_rows, list) else [new_rows]:
+        row["fits"] = row["peak_gb"] <= args.budget_gb - args.headroom_gb
+        rows.append(row)
+        print(format_table(rows[-1:]), flush=True)
       details[f"{name}/{kind}"] = info
-      print(format_table(rows[-1:]), flush=True)
   print()
   print(format_table(rows))
   result = {"benchmark": NAME, "args": vars(args), "machine": machine_info(), "rows": rows, "details": details,

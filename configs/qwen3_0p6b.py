@@ -12,6 +12,6 @@ def get_config():
   c.train.steps = 20000
   c.train.batch_size = 32
   c.train.num_anchors = 512
-  c.mesh.data = 8
-  c.mesh.model = 1
+  c.mesh.data = -1                    # every device of every host (data parallel across hosts)
+  c.mesh.model = 1                    # inside each host
   return c

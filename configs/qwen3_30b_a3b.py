@@ -10,6 +10,6 @@ def get_config():
   c.head.block_size = 16
   c.head.intermediate_size = 6144
   c.head.target_layer_ids = (1, 12, 23, 34, 45)
-  c.mesh.data = 2
-  c.mesh.model = 4
+  c.mesh.data = -1                    # every device of every host (data parallel across hosts)
+  c.mesh.model = 4                    # inside each host
   return c

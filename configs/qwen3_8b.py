@@ -9,6 +9,6 @@ def get_config():
   c.head.num_layers = 5
   c.head.block_size = 16
   c.head.target_layer_ids = (1, 9, 17, 25, 33)
-  c.mesh.data = 4
-  c.mesh.model = 2
+  c.mesh.data = -1                    # every device of every host (data parallel across hosts)
+  c.mesh.model = 2                    # inside each host
   return c

@@ -33,8 +33,8 @@ def _progress(desc: str, quiet: bool):
 def _mesh(args):
   if not getattr(args, "mesh", None):
     return None
-  from jetspec_jax.sharding import make_mesh, parse_mesh
-  return make_mesh(*parse_mesh(args.mesh))
+  from jetspec_jax.sharding import host_mesh, parse_mesh
+  return host_mesh(*parse_mesh(args.mesh))
 
 
 def _dtype(name):
@@ -133,14 +133,19 @@ def cmd_generate(args) -> dict:
   from jetspec_jax.convert import load_head, load_target, read_target_config
   from jetspec_jax.decode.generation import Generator, SamplingConfig, acceptance
   from jetspec_jax.decode.speculative import TreeConfig
+  from jetspec_jax.config import GENERATION_CONFIG, load_generation_defaults
   if args.max_new_tokens < 1:
     raise JetSpecError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
-  if args.temperature < 0:
-    raise JetSpecError(f"--temperature must be >= 0, got {args.temperature}")
   impl = _attention(args)
   mesh = _mesh(args)
   dtype = _dtype(args.dtype)
   cfg, side = read_target_config(args.target)
+  given = {k: getattr(args, k) for k in ("temperature", "top_k", "top_p") if getattr(args, k) is not None}
+  hf = load_generation_defaults(side).sampling() if args.sampling_defaults == "hf" else {}
+  settings = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, **hf, **given}
+  sources = {k: "command line" if k in given else GENERATION_CONFIG if k in hf else "default" for k in settings}
+  if settings["temperature"] < 0:
+    raise JetSpecError(f"--temperature must be >= 0, got {settings['temperature']}")
   tokenizer = None
   if args.prompt is not None:
     tokenizer = _load_tokenizer(side)
@@ -158,21 +163,24 @@ def cmd_generate(args) -> dict:
     raise JetSpecError(f"--eos-ids id {outside[0]} is outside the vocabulary (size {cfg.vocab_size})")
   _check_positions(cfg, f"the prompt ({len(ids)} tokens)", len(ids), args.max_new_tokens)
   _, params, _ = load_target(args.target, dtype, mesh)
-  sampling_cfg = SamplingConfig(args.temperature, args.top_k, args.top_p, args.accept, args.seed)
+  sampling_cfg = SamplingConfig(settings["temperature"], settings["top_k"], settings["top_p"], args.accept, args.seed)
   head = {}
   if args.head:
     head_cfg, head_params = load_head(args.head, dtype, mesh, target_cfg=cfg)
     tree = TreeConfig(args.tree, args.budget, args.width, head_cfg.depth if args.depth is None else args.depth,
                       **_tree_options(args))
     head = dict(head_cfg=head_cfg, head_params=head_params, tree=tree)
-  generator = Generator(cfg, params, sampling_cfg=sampling_cfg, eos_ids=eos, attn_impl=impl, mesh=mesh, **head)
+  generator = Generator(cfg, params, sampling_cfg=sampling_cfg, eos_ids=eos, attn_impl=impl, mesh=mesh,
+                        prefill_chunk=args.prefill_chunk, **head)
   out = generator.generate([ids], args.max_new_tokens)
   tokens = out.tokens[0]
   res = {"token_ids": tokens, "prompt_ids": ids, "mode": "speculative" if args.head else "autoregressive",
          "attention": impl.name, "backend": jax.default_backend(), "num_tokens": len(tokens),
          "target_forwards": out.target_forwards, "prefill_s": out.prefill_s, "decode_s": out.decode_s,
          "tokens_per_s": len(tokens) / max(out.decode_s + out.prefill_s, 1e-9),
-         "sampling": generator.sampling.describe()}
+         "sampling": generator.sampling.describe(), "sampling_sources": sources,
+         "eos_ids": list(generator.eos),
+         "eos_source": "--eos-ids" if eos is not None else f"config.json + {GENERATION_CONFIG}"}
   if args.head:
     res.update(acceptance([out]), tree=tree.describe())
   if tokenizer is None and os.path.isfile(os.path.join(side, "tokenizer.json")):
@@ -208,13 +216,20 @@ def cmd_regenerate(args) -> dict:
   from jetspec_jax.train.regenerate import regenerate
   info = distributed.initialize()
   if info.is_multiprocess and not args.mesh:        # every process's devices, the batch split over them
-    from jetspec_jax.sharding import make_mesh, parse_mesh
-    mesh = make_mesh(*parse_mesh(None))
+    from jetspec_jax.sharding import host_mesh
+    mesh = host_mesh()
   else:
     mesh = _mesh(args)
+  impl = _attention(args)
+  if args.max_prompt_tokens is not None and args.max_prompt_tokens < 1:
+    raise JetSpecError(f"--max-prompt-tokens must be at least 1, got {args.max_prompt_tokens}")
   res = regenerate(args.target, args.source, args.out_dir, max_new_tokens=args.max_new_tokens,
                    batch_size=args.batch_size, temperature=args.temperature, seed=args.seed, limit=args.limit,
-                   mesh=mesh, progress=not args.json)
+                   max_prompt_tokens=args.max_prompt_tokens, mesh=mesh, dtype=_dtype(args.dtype),
+                   attn_impl=impl, prefill_chunk=args.prefill_chunk, progress=not args.json)
+  res["settings"] = {"dtype": args.dtype, "attention": impl.name, "max_prompt_tokens": args.max_prompt_tokens,
+                     "prefill_chunk": "auto" if args.prefill_chunk is None else args.prefill_chunk,
+                     "mesh": dict(mesh.shape) if mesh is not None else None}
   res["processes"] = info.process_count
   _emit(args, res, json.dumps(res, indent=2))
   return res
@@ -342,6 +357,11 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--cap-threshold", type=float, default=0.02,
                     help="rank_caps trees: keep the ranks whose profiled acceptance is at least this")
 
+  def prefill_flag(sp):
+    sp.add_argument("--prefill-chunk", type=int, default=None,
+                    help="prompt rows per prefill forward (default: the largest that keeps one layer's attention "
+                         "scores under 1 GiB per device; 0: the whole prompt at once)")
+
   def attention_flags(sp):
     sp.add_argument("--attention", default="auto", help="auto (pallas on GPU, else xla) | xla | pallas | pallas_interpret")
     sp.add_argument("--kernel-tuning", help="tuning table (JSON) for the pallas kernel, e.g. the kernel_tuning.json "
@@ -371,19 +391,24 @@ def build_parser() -> argparse.ArgumentParser:
   g.add_argument("--chat", action="store_true", help="wrap --prompt in the chat template (thinking off)")
   g.add_argument("--max-new-tokens", type=int, default=64)
   g.add_argument("--dtype", default="auto")
-  g.add_argument("--temperature", type=float, default=0.0)
+  g.add_argument("--temperature", type=float, default=None, help="0 = greedy (the default)")
   g.add_argument("--seed", type=int, default=0)
-  g.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off; temperature > 0)")
-  g.add_argument("--top-p", type=float, default=1.0, help="keep the smallest set with probability >= p (1 = off)")
+  g.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens (0 = off; temperature > 0)")
+  g.add_argument("--top-p", type=float, default=None, help="keep the smallest set with probability >= p (1 = off)")
+  g.add_argument("--sampling-defaults", default="none", choices=["none", "hf"],
+                 help="hf: temperature, top-k and top-p from the target's generation_config.json where not given "
+                      "here (Qwen3: 0.6, 20, 0.95); none: greedy unless given")
   g.add_argument("--accept", default="rejection", choices=["rejection", "match"],
                  help="speculative acceptance rule at temperature > 0")
-  g.add_argument("--eos-ids", help="comma-separated EOS ids (default: the config's; '' never stops early)")
+  g.add_argument("--eos-ids", help="comma-separated EOS ids (default: config.json's and generation_config.json's; "
+                                   "'' never stops early)")
   g.add_argument("--head", help="JetSpec draft head directory (HF format): enables speculative decoding")
   g.add_argument("--tree", default="accum_logp", choices=list(TREE_METHODS))
   g.add_argument("--budget", type=int, default=64, help="tree node budget (counts the root)")
   g.add_argument("--width", type=int, default=7, help="top-W tokens per depth")
   g.add_argument("--depth", type=int, default=None, help="draft depth (default: block_size - 1)")
   tree_flags(g)
+  prefill_flag(g)
   attention_flags(g)
   common(g)
   g.set_defaults(fn=cmd_generate)
@@ -402,6 +427,11 @@ def build_parser() -> argparse.ArgumentParser:
   r.add_argument("--temperature", type=float, default=0.0)
   r.add_argument("--seed", type=int, default=0)
   r.add_argument("--limit", type=int, default=None, help="at most this many conversations")
+  r.add_argument("--dtype", default="auto", help="float32 | bfloat16 | auto (as stored)")
+  r.add_argument("--max-prompt-tokens", type=int, default=None,
+                 help="a prompt longer than this ends its conversation (default: no limit)")
+  prefill_flag(r)
+  attention_flags(r)
   common(r)
   r.set_defaults(fn=cmd_regenerate)
 

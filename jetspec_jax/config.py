@@ -163,11 +163,52 @@ def read_json(path: str, what: str) -> dict[str, Any]:
   return data
 
 
+GENERATION_CONFIG = "generation_config.json"
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationDefaults:
+  """A checkpoint's ``generation_config.json``: the EOS ids generation stops at and its sampling settings
+  (Qwen3-8B ships eos [151645, 151643], temperature 0.6, top_p 0.95, top_k 20). None: not set there."""
+  eos_token_ids: tuple[int, ...] = ()
+  temperature: float | None = None
+  top_k: int | None = None
+  top_p: float | None = None
+  do_sample: bool | None = None
+
+  @classmethod
+  def from_hf_dict(cls, d: dict) -> "GenerationDefaults":
+    eos = d.get("eos_token_id")
+    eos = () if eos is None else tuple(int(t) for t in eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+    num = lambda k, kind: None if d.get(k) is None else kind(d[k])
+    try:
+      return cls(eos, num("temperature", float), num("top_k", int), num("top_p", float), num("do_sample", bool))
+    except (TypeError, ValueError):
+      raise JetSpecError(f"{GENERATION_CONFIG} has a non-numeric temperature, top_k or top_p") from None
+
+  def sampling(self) -> dict:
+    """The sampling settings it sets, as SamplingConfig fields (greedy when do_sample is false)."""
+    if self.do_sample is False:
+      return {"temperature": 0.0}
+    return {k: v for k, v in (("temperature", self.temperature), ("top_k", self.top_k), ("top_p", self.top_p))
+            if v is not None}
+
+
+def load_generation_defaults(model_dir: str) -> GenerationDefaults:
+  """``model_dir/generation_config.json`` (all unset when the file is absent)."""
+  path = os.path.join(model_dir, GENERATION_CONFIG)
+  return GenerationDefaults.from_hf_dict(read_json(path, GENERATION_CONFIG)) if os.path.isfile(path) \
+      else GenerationDefaults()
+
+
 def load_hf_config(model_dir: str) -> Qwen3Config:
-  """Read ``model_dir/config.json`` into a Qwen3Config."""
+  """Read ``model_dir/config.json`` into a Qwen3Config; its EOS ids are config.json's followed by those only
+  ``generation_config.json`` lists (real Qwen3 checkpoints end turns with an id config.json omits)."""
   if not os.path.isdir(model_dir):
     raise JetSpecError(f"model directory not found: {model_dir}")
-  return Qwen3Config.from_hf_dict(read_json(os.path.join(model_dir, "config.json"), "config.json"))
+  cfg = Qwen3Config.from_hf_dict(read_json(os.path.join(model_dir, "config.json"), "config.json"))
+  extra = tuple(t for t in load_generation_defaults(model_dir).eos_token_ids if t not in cfg.eos_token_ids)
+  return dataclasses.replace(cfg, eos_token_ids=cfg.eos_token_ids + extra) if extra else cfg
 
 
 def parse_dtype(name: str):

@@ -30,7 +30,7 @@ from jetspec_jax.config import Qwen3Config, load_hf_config, read_json
 from jetspec_jax import files
 from jetspec_jax.errors import JetSpecError
 from jetspec_jax.models.params import ParamSpec
-from jetspec_jax.sharding import named_sharding
+from jetspec_jax.sharding import make_mesh, named_sharding
 from jetspec_jax.tokenizer import hf4_tokenizer_config
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
@@ -362,13 +362,27 @@ def convert_hf(hf_dir: str, out_dir: str, dtype=None, mesh=None, overwrite=False
           "num_tensors": len(params)}
 
 
+def export_mesh(cfg: Qwen3Config):
+  """The mesh ``export_hf`` restores onto: this process's devices on the model axis, as many as divide the
+  query heads and MLP widths (each device then holds that share of every split weight; the rest are
+  replicated), or None (one device) when only 1 does."""
+  widths = [cfg.num_attention_heads] + [w for w in (cfg.intermediate_size, cfg.moe_intermediate_size) if w]
+  local = jax.local_devices()
+  n = max(d for d in range(1, len(local) + 1) if len(local) % d == 0 and all(w % d == 0 for w in widths))
+  return None if n == 1 else make_mesh(1, n, local[:n])
+
+
 def export_hf(ckpt_dir: str, out_dir: str, shard_bytes: int = DEFAULT_SHARD_BYTES, overwrite=False,
-              progress=iter, on_phase: Callable[[str], None] = _no_phase) -> dict:
-  """Converted checkpoint (or HF dir) -> HF directory: sharded safetensors + index + side files.
+              progress=iter, on_phase: Callable[[str], None] = _no_phase, mesh="auto") -> dict:
+  """Converted checkpoint (or HF dir) -> HF directory: sharded safetensors + index + side files. The weights
+  are restored sharded over ``mesh`` ("auto": ``export_mesh``; None: one device) and written one at a time
+  from there, so no device holds more than its share of the model and the host one weight.
   ``on_phase(name)`` is called as each phase starts: "restore", "safetensors_write", "after_write"."""
   check_output_dir(out_dir, overwrite)
   on_phase("restore")
-  cfg, params, side = load_target(ckpt_dir, None, None, progress)
+  if mesh == "auto":
+    mesh = export_mesh(read_target_config(ckpt_dir)[0])
+  cfg, params, side = load_target(ckpt_dir, None, mesh, progress)
   with atomic_directory(out_dir, overwrite) as tmp:
     on_phase("safetensors_write")
     files = write_safetensors(tmp, target_mappings(cfg), params, shard_bytes)
@@ -377,7 +391,8 @@ def export_hf(ckpt_dir: str, out_dir: str, shard_bytes: int = DEFAULT_SHARD_BYTE
     if "config.json" not in copied:
       with open(os.path.join(tmp, "config.json"), "w") as f:
         json.dump(cfg.to_hf_dict(str(params["embed"].dtype)), f, indent=2)
-  return {"out_dir": os.path.abspath(out_dir), "files": files}
+  return {"out_dir": os.path.abspath(out_dir), "files": files,
+          "restored_on": None if mesh is None else dict(mesh.shape)}
 
 
 def head_mappings(head_cfg) -> list[Mapping]:

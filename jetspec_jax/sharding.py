@@ -47,6 +47,31 @@ def make_mesh(data: int = 1, model: int = 1, devices: Sequence[jax.Device] | Non
   return Mesh(np.asarray(devices).reshape(data, model), MESH_AXES)
 
 
+def host_mesh(data: int = -1, model: int = 1) -> Mesh:
+  """A (data, model) mesh laid on the job's hosts: each row of ``model`` devices inside one process (tensor
+  and expert parallelism stay on a host's fast links), the ``data`` axis across processes, the same
+  number of rows from every process. ``data`` -1: every device of every process. So one config runs on
+  1, 2 or N hosts unchanged."""
+  by_process: dict[int, list] = {}
+  for d in sorted(jax.devices(), key=lambda d: (d.process_index, d.id)):
+    by_process.setdefault(d.process_index, []).append(d)
+  nproc, local = len(by_process), min(len(v) for v in by_process.values())
+  count = sum(len(v) for v in by_process.values())
+  where = f"{nproc} process(es) x {local} device(s)" if nproc > 1 else f"{count} device(s)"
+  if model < 1 or local % model:
+    raise JetSpecError(f"mesh model axis {model} does not divide the {local} devices of a process: the model axis "
+                       f"must fit inside one host ({where})")
+  data = count // model if data in (-1, 0) else data
+  if data < 1 or data * model > count:
+    raise JetSpecError(f"mesh {data}x{model} needs {data * model} devices but the job has {count} ({where})")
+  if data % nproc:
+    raise JetSpecError(f"mesh {data}x{model} cannot be laid on {where}: its data axis must divide by the process "
+                       f"count so every host holds the same rows; use data -1 for all {count} devices")
+  rows = data // nproc
+  grid = [np.asarray(devs[:rows * model], dtype=object).reshape(rows, model) for devs in by_process.values()]
+  return Mesh(np.concatenate(grid), MESH_AXES)
+
+
 def parse_mesh(text: str | None) -> tuple[int, int]:
   """'DATAxMODEL' (e.g. '2x4') -> (2, 4); None -> all devices on ``data``."""
   if not text:

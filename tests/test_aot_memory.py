@@ -20,3 +20,15 @@ def test_ci_sized_run_reports_positive_memory_within_the_budget(tmp_path, capsys
     assert 0 < r["args_gb"] and 0 < r["temp_gb"] and 0 < r["peak_gb"] <= 80 - 10 and r["fits"], r
     assert r["hlo_tflop"] >= r["xla_tflop"] > 0, r                 # loop bodies times their trip counts
     assert 0.5 < r["hlo_vs_analytic"] < 2, r
+
+
+def test_regeneration_at_8b_width_is_memory_bounded(tmp_path):
+  """8 prompts of 8192 tokens at Qwen3-8B width (2 layers here) on the 8B config's mesh: the prefill runs in
+  chunks, so its temporaries stay far below what [B, H, 8192, 9216] float32 scores per layer would take."""
+  out = tmp_path / "regen.json"
+  aot_memory.main(["--configs", "qwen3_8b", "--layers", "2", "--no-train", "--no-decode", "--out", str(out)])
+  rows = json.loads(out.read_text())["rows"]
+  prefill, step = rows
+  assert prefill["program"].startswith("regen prefill b8 x 8192 (chunk ") and "(chunk 0)" not in prefill["program"]
+  unchunked_scores_gb = 2 * 16 * 8192 * 9216 * 4 / 1e9        # per device on the 4x2 mesh: 9.7 GB per layer
+  assert prefill["temp_gb"] < 0.5 * unchunked_scores_gb and prefill["fits"] and step["fits"], rows

@@ -33,6 +33,8 @@ def test_convert_generate_export_json(hf_dir, tmp_path, capsys):
   assert code == 0 and spec["token_ids"] == res["token_ids"] and spec["rounds"] >= 1 and "tau" in spec
   code, stdout, _ = run(capsys, "export", ckpt, out, "--json")
   assert code == 0 and os.path.isfile(os.path.join(out, "config.json"))
+  # restored sharded over this process's devices (model axis), written one weight at a time
+  assert json.loads(stdout)["restored_on"]["model"] == convert.export_mesh(cfg).shape["model"] > 1
 
 
 @pytest.mark.parametrize("argv,phrase", [
@@ -53,7 +55,8 @@ def test_bad_generate_options(hf_dir, tmp_path, capsys):
   src = hf_dir("dense_tied", "float32")
   for argv, phrase in [(["--prompt-ids", "1,x"], "comma-separated integers"),
                        (["--prompt-ids", "1", "--dtype", "fp8"], "unknown dtype"),
-                       (["--prompt-ids", "1", "--mesh", "3x3"], "needs 9 devices"),
+                       (["--prompt-ids", "1", "--mesh", "3x3"], "must fit inside one host"),
+                       (["--prompt-ids", "1", "--mesh", "9x1"], "needs 9 devices"),
                        (["--prompt-ids", "1", "--attention", "cuda"], "unknown attention"),
                        (["--prompt-ids", "99999"], "outside the vocabulary"),
                        (["--prompt", "hello"], "tokenizer"),
@@ -161,3 +164,35 @@ def test_json_mode_keeps_library_chatter_off_stdout(tmp_path, capfd, monkeypatch
   assert code == 0, err[-3000:]
   assert out.endswith("\n") and out.count("\n") == 1 and json.loads(out)["step"] == 1
   assert "Downloading and preparing dataset" in err and "native chatter on fd 1" in err
+
+
+def test_generation_config_eos_ids_and_sampling_defaults(hf_dir, tmp_path, capsys):
+  """A checkpoint whose generation_config.json lists two EOS ids stops at either (config.json names
+  neither); --sampling-defaults hf takes its sampling settings, and --json says where each came from."""
+  import shutil
+  src = str(tmp_path / "model")
+  shutil.copytree(hf_dir("dense_tied", "float32"), src)
+  base = ["generate", "--target", src, "--prompt-ids", "1,2,3", "--max-new-tokens", "12", "--json"]
+  code, stdout, _ = run(capsys, *base, "--eos-ids", "")
+  free = json.loads(stdout)["token_ids"]
+  first = lambda t: free.index(t)
+  # two ids: one first produced at position i, another only later; generation stops at whichever comes first
+  late = next(t for t in free[4:] if first(t) >= 4)
+  early = next(t for t in free[1:first(late)] if first(t) >= 1)
+  for ids, stop in (([123456, late], first(late)), ([late, early], first(early))):
+    with open(os.path.join(src, "generation_config.json"), "w") as f:
+      json.dump({"eos_token_id": ids, "temperature": 0.6, "top_p": 0.95, "top_k": 20}, f)
+    code, stdout, _ = run(capsys, *base)
+    res = json.loads(stdout)
+    assert code == 0 and res["token_ids"] == free[:stop + 1], (ids, stop)
+    assert set(ids) <= set(res["eos_ids"]) and res["sampling"]["accept"] == "greedy"
+  code, stdout, _ = run(capsys, *base, "--sampling-defaults", "hf", "--top-k", "5")
+  res = json.loads(stdout)
+  assert code == 0 and res["sampling"]["temperature"] == 0.6 and res["sampling"]["top_p"] == 0.95
+  assert res["sampling"]["top_k"] == 5 and res["sampling_sources"] == {
+      "temperature": "generation_config.json", "top_p": "generation_config.json", "top_k": "command line"}
+  with open(os.path.join(src, "generation_config.json"), "w") as f:
+    json.dump({"temperature": "warm"}, f)
+  code, _, err = run(capsys, *base, "--sampling-defaults", "hf")
+  assert code == 2 and "non-numeric temperature" in err and "Traceback" not in err
+

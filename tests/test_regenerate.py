@@ -221,3 +221,24 @@ def test_two_processes_regenerate_what_one_does(tmp_path, tok):
   assert [(s["chunks_reused"], s["chunks_written"]) for s in again] == [(1, 0), (1, 0)]
   refused = launch("--temperature", "0.5")
   assert refused.returncode == 2 and refused.stderr.count("temperature=0.0, not 0.5") == 2, refused.stderr[-2000:]
+
+
+def test_regenerate_cli_takes_the_generation_settings(tmp_path, tok, capsys):
+  """`jetspec-jax regenerate` exposes what it generates with (dtype, attention, prompt limit, prefill chunk)
+  and reports it; a chunked prefill writes the same rows as one forward."""
+  import hf_fixtures
+  from jetspec_jax import cli
+  model_dir = str(tmp_path / "target")
+  hf_fixtures.save_model(hf_fixtures.build_model(hf_fixtures.hf_config("dense_tied", vocab_size=len(tok))), model_dir)
+  tok.save_pretrained(model_dir)
+  source = tmp_path / "src.jsonl"
+  source.write_text("".join(json.dumps({"messages": c}) + "\n" for c in source_conversations()))
+  base = ["regenerate", "--target", model_dir, "--source", str(source), "--max-new-tokens", str(MAX_NEW),
+          "--batch-size", "4", "--dtype", "float32", "--attention", "xla", "--json"]
+  for name, chunk in (("whole", "0"), ("chunked", "4")):
+    assert cli.main(base + ["--out-dir", str(tmp_path / name), "--prefill-chunk", chunk]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["settings"]["attention"] == "xla" and res["settings"]["prefill_chunk"] == int(chunk)
+  assert read_rows(tmp_path / "chunked") == read_rows(tmp_path / "whole") != []
+  assert cli.main(base + ["--out-dir", str(tmp_path / "bad"), "--max-prompt-tokens", "0"]) == 2
+  assert "--max-prompt-tokens must be at least 1" in capsys.readouterr().err

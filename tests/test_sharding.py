@@ -68,6 +68,32 @@ def test_cache_is_sharded(jax_target):
   assert _spec_axes(cache.k[0]) == ("data", None, None, None)      # 2 KV heads on 4: replicated
 
 
+def test_8b_cache_is_born_in_its_shards():
+  """An 8B-width KV buffer (batch 64, 4k positions, 8 KV heads, bf16: 512 MiB) on a 1x8 mesh is created by a
+  program whose every array is one shard (64 MiB): no device ever holds the whole buffer."""
+  mesh = sharding.make_mesh(1, 8)
+  shape, dtype = (64, 8, 4096, 128), jnp.dtype(jnp.bfloat16)
+  spec = sharding.named_sharding(qwen3.CACHE_AXES, shape, mesh)
+  compiled = qwen3.zero_cache_program(shape, dtype, spec).lower().compile()
+  shard_bytes = 64 * 1 * 4096 * 128 * 2
+  mem = compiled.memory_analysis()
+  assert mem.output_size_in_bytes == shard_bytes and mem.temp_size_in_bytes <= shard_bytes
+  assert "[64,8,4096,128]" not in compiled.as_text() and "[64,1,4096,128]" in compiled.as_text()
+  small = qwen3.zero_cache(2, (8, 8, 16, 4), jnp.float32, mesh)
+  assert all(x.sharding.spec == spec.spec for x in small.k + small.v)
+  assert all(s.data.shape == (8, 1, 16, 4) for x in small.k for s in x.addressable_shards)
+
+
+def test_host_mesh_lays_the_model_axis_inside_a_host():
+  mesh = sharding.host_mesh(-1, 2)
+  assert dict(mesh.shape) == {"data": 4, "model": 2}
+  assert dict(sharding.host_mesh(2, 2).shape) == {"data": 2, "model": 2}       # a subset: 4 of the 8 devices
+  with pytest.raises(JetSpecError, match="must fit inside one host"):
+    sharding.host_mesh(-1, 3)
+  with pytest.raises(JetSpecError, match="needs 16 devices"):
+    sharding.host_mesh(8, 2)
+
+
 @pytest.mark.parametrize("data,model,batch", [(2, 4, 4), (4, 2, 3)])
 def test_sharded_generation_equals_unsharded(data, model, batch, hf_dir, jax_target):
   """2x4: batch sharded, KV heads replicated; 4x2: batch 3 replicated, KV heads sharded."""

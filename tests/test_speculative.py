@@ -132,3 +132,60 @@ def test_wrong_drafter_gives_tau_one():
   acc = acceptance([out])
   assert acc["tau"] == 1.0
   assert acc["acceptance_by_depth"] == [0.0] * 4
+
+
+def test_finished_rows_commit_nothing_and_write_inside_the_cache():
+  """EOS in one row, a max_new_tokens cut in the others, mixed per-row acceptance (row 1's drafter is always
+  wrong, the others perfect), batch 3: the final state keeps every row's invariant (prefix_len = prompt +
+  committed - 1, within the cache's committed region) and every row's committed cache rows equal AR's."""
+  hcfg, hparams = head()
+  max_new = 23
+  rows = ar_tokens(3, max_new)
+  stop = next(i for i in range(4, max_new) if rows[0][i] not in rows[0][:i] + rows[1] + rows[2])
+  eos = (rows[0][stop],)                               # row 0 stops there; rows 1 and 2 run to max_new
+  offsets = jnp.array([0, 1, 0])
+
+  def mixed(target_params, head_params, state, *, cfg, head_cfg, tree_cfg, attn_impl, mesh):
+    toks = (_greedy_continuation(target_params, state, tree_cfg.depth) + offsets[:, None]) % cfg.vocab_size
+    return jnp.where(jax.nn.one_hot(toks, cfg.vocab_size, dtype=bool), 0.0, -1e9), state.draft_cache
+
+  tc = TreeConfig("chain", 1, 1, 4)
+  spec = Generator(CFG, target(), head_cfg=hcfg, head_params=hparams, tree=tc, drafter=mixed, eos_ids=eos)
+  ar = Generator(CFG, target(), eos_ids=eos)
+  s_state = spec.decode(spec.prefill(PROMPTS3, max_new)).base
+  a_state = ar.decode(ar.prefill(PROMPTS3, max_new))
+  ar_out = ar.generate(PROMPTS3, max_new).tokens
+  assert spec.generate(PROMPTS3, max_new).tokens == ar_out
+  assert len(ar_out[0]) == stop + 1 and [len(t) for t in ar_out[1:]] == [max_new, max_new]
+  lengths = jnp.array([len(p) for p in PROMPTS3])
+  assert s_state.prefix_len.tolist() == (lengths + s_state.num_tokens - 1).tolist()
+  assert s_state.prefix_len.tolist() == a_state.prefix_len.tolist()
+  cache_len = s_state.cache.max_len
+  assert int(jnp.max(s_state.prefix_len)) + tc.num_nodes() + 1 <= cache_len
+  for b, n in enumerate(s_state.prefix_len.tolist()):
+    for got, want in zip(s_state.cache.k + s_state.cache.v, a_state.cache.k + a_state.cache.v):
+      assert jnp.allclose(got[b, :, :n], want[b, :, :n], atol=1e-4), b
+
+
+@pytest.mark.parametrize("chunk", [3, 4])
+def test_chunked_prefill_equals_one_forward(chunk):
+  """Prefill in chunks of rows (the long-prompt path; 3 pads the width 8 to 9) gives the first token, the
+  committed cache rows and the head's context of one whole-prompt forward: AR and speculative outputs equal."""
+  hcfg, hparams = head()
+  for kw in ({}, dict(head_cfg=hcfg, head_params=hparams, tree=TreeConfig("best_nodes", 16, 3, 4))):
+    whole, chunked = (Generator(CFG, target(), prefill_chunk=c, **kw) for c in (0, chunk))
+    assert chunked.generate(PROMPTS3, 12).tokens == whole.generate(PROMPTS3, 12).tokens
+    a, b = whole.prefill(PROMPTS3, 12), chunked.prefill(PROMPTS3, 12)
+    a, b = (s.base if kw else s for s in (a, b))
+    assert a.last_token.tolist() == b.last_token.tolist() and a.prefix_len.tolist() == b.prefix_len.tolist()
+    for i, n in enumerate(a.prefix_len.tolist()):
+      for x, y in zip(a.cache.k + a.cache.v, b.cache.k + b.cache.v):
+        assert jnp.allclose(x[i, :, :n], y[i, :, :n], atol=1e-5)
+
+
+def test_prefill_chunk_bounds_the_scores():
+  from jetspec_jax.decode.loop import PREFILL_SCORE_BYTES, prefill_chunk
+  # Qwen3-8B regeneration: 8 prompts of 8192 tokens, 1024 new, 32 query heads: 8 * 32 * 9216 * 4 bytes per row
+  assert prefill_chunk(8, 32, 8192, 9216) == 64
+  assert 8 * 32 * 64 * 9216 * 4 <= PREFILL_SCORE_BYTES < 8 * 32 * 128 * 9216 * 4
+  assert prefill_chunk(1, 32, 512, 1024) == 0                       # fits: one forward

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from jetspec_jax import convert
+from jetspec_jax.errors import JetSpecError
 from jetspec_jax.train import trainer
 
 import trainer_world
@@ -36,8 +37,8 @@ def test_interrupted_then_resumed_equals_uninterrupted(world, tmp_path, caplog):
                      "checkpoint.every": 2}), progress=False)
   assert full["step"] == 4
   cfg = trainer_world.tiny_config(world, str(tmp_path / "split"), **{"train.steps": 4, "checkpoint.every": 2})
-  part = trainer.run(cfg, progress=False, stop_after=2)
-  assert part["step"] == 2 and "head_dir" not in part
+  part = trainer.run(cfg, progress=False, stop_after=3)      # step 3 is logged, then lost with the run
+  assert part["step"] == 3 and "head_dir" not in part
   # An interrupted save of step 4 leaves a temporary directory: it must be skipped with a warning.
   junk = tmp_path / "split" / "checkpoints" / "4.orbax-checkpoint-tmp-1234"
   junk.mkdir()
@@ -50,6 +51,19 @@ def test_interrupted_then_resumed_equals_uninterrupted(world, tmp_path, caplog):
   for k in a:
     np.testing.assert_allclose(np.asarray(a[k]), np.asarray(b[k]), rtol=1e-6, atol=1e-7)
   assert losses(str(tmp_path / "split"))[-2:] == pytest.approx(losses(str(tmp_path / "full"))[-2:], rel=1e-6)
+  # the resumed run redid step 3: metrics.jsonl holds each step once, as the uninterrupted run's does
+  steps = lambda d: [json.loads(l)["step"] for l in open(os.path.join(d, "metrics.jsonl")) if "loss" in l]
+  assert steps(str(tmp_path / "split")) == steps(str(tmp_path / "full")) == [1, 2, 3, 4]
+
+
+def test_checkpoint_every_zero_saves_at_the_end_only(world, tmp_path):
+  out = tmp_path / "end"
+  res = trainer.run(trainer_world.tiny_config(world, str(out), **{"train.steps": 3, "checkpoint.every": 0}),
+                    progress=False)
+  assert res["step"] == 3 and sorted(os.listdir(out / "checkpoints")) == ["3"]
+  bad = trainer_world.tiny_config(world, str(tmp_path / "bad"), **{"train.steps": 3, "checkpoint.every": -1})
+  with pytest.raises(JetSpecError, match="checkpoint.every must be >= 0"):
+    trainer.run(bad, progress=False)
 
 
 @pytest.mark.parametrize("mesh", [(2, 2), (4, 2)])
@@ -69,27 +83,36 @@ def evals(out_dir):
   return [r["eval_tau"] for r in rows if "eval_tau" in r]
 
 
-def test_two_processes_follow_the_single_process_loss_curve(world, tmp_path):
-  """Two processes x 2 CPU devices give the single process's losses and its eval tau (the
-  speculative evaluation runs over the training mesh in every process)."""
+def test_two_hosts_run_the_8b_mesh_and_follow_one_host(world, tmp_path):
+  """Two processes x 8 CPU devices (standing for two 8-GPU hosts) train with the 8B config's mesh section as
+  shipped (model axis inside a host, data over every device) and give the losses and eval tau of one
+  process with 16 devices; a mesh that cannot be laid on the hosts is refused in one sentence."""
+  from jetspec_jax.train.config_file import load_config
+  mesh = load_config("qwen3_8b").mesh
   overrides = [f"--config.target={world['target']}", f"--config.data.path={world['data']}",
-               "--config.data.seq_len=64", "--config.train.batch_size=8", "--config.train.num_anchors=8",
+               "--config.data.seq_len=64", "--config.train.batch_size=16", "--config.train.num_anchors=8",
                "--config.train.chunk_anchors=4", "--config.head.block_size=4", "--config.data.eval_examples=4",
-               "--config.eval.every=3", "--config.log_every=1", "--config.train.steps=3", "--config.mesh.data=4",
-               "--config.mesh.model=1"]
-  single = trainer_world.tiny_config(world, str(tmp_path / "single"), **{"train.steps": 3, "mesh.data": 4,
-                                                                          "data.eval_examples": 4, "eval.every": 3})
-  trainer.run(single, progress=False)
+               "--config.eval.every=3", "--config.log_every=1", "--config.train.steps=3",
+               f"--config.mesh.data={mesh.data}", f"--config.mesh.model={mesh.model}"]
   env = dict(os.environ, PYTHONPATH=REPO, JETSPEC_KILL_GRACE="5")
   env.pop("XLA_FLAGS", None)
-  cmd = ["bash", os.path.join(REPO, "launch", "local.sh"), "-n", "2", "--cpu-devices", "2", "--",
-         sys.executable, "-m", "jetspec_jax.cli", "train", "--config", "tiny", "--json",
-         f"--config.output_dir={tmp_path / 'multi'}", *overrides]
-  proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
-  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-  np.testing.assert_allclose(losses(str(tmp_path / "multi")), losses(str(tmp_path / "single")), rtol=2e-5)
-  assert len(evals(str(tmp_path / "single"))) == 1
-  assert evals(str(tmp_path / "multi")) == evals(str(tmp_path / "single"))
+
+  def launch(processes, devices, out, *extra):
+    cmd = ["bash", os.path.join(REPO, "launch", "local.sh"), "-n", str(processes), "--cpu-devices", str(devices),
+           "--", sys.executable, "-m", "jetspec_jax.cli", "train", "--config", "tiny", "--json",
+           f"--config.output_dir={tmp_path / out}", *overrides, *extra]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+
+  for proc in (launch(1, 16, "one"), launch(2, 8, "two")):
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  rows = lambda out: [json.loads(l) for l in open(tmp_path / out / "metrics.jsonl")]
+  assert [r["step"] for r in rows("two") if "loss" in r] == [1, 2, 3]
+  np.testing.assert_allclose(losses(str(tmp_path / "two")), losses(str(tmp_path / "one")), rtol=1e-5)
+  assert len(evals(str(tmp_path / "one"))) == 1
+  assert evals(str(tmp_path / "two")) == evals(str(tmp_path / "one"))
+  refused = launch(2, 8, "odd", "--config.mesh.data=3", "--config.mesh.model=2")
+  assert refused.returncode == 2 and "must divide by the process count" in refused.stderr, \
+      refused.stderr[-2000:]
 
 
 def test_packed_rows_train(world, tmp_path):

@@ -111,7 +111,7 @@ class Generator:
                sampling_cfg: SamplingConfig = SamplingConfig(), eos_ids: Sequence[int] | None = None,
                attn_impl: str = "xla", mesh=None, cache_dtype=None,
                drafter: speculative.Drafter = speculative.head_drafter, transfer_guard: str | None = None,
-               on_fetch: Callable[[tuple[jax.Array, ...]], None] | None = None):
+               on_fetch: Callable[[tuple[jax.Array, ...]], None] | None = None, prefill_chunk: int | None = None):
     if transfer_guard is not None and transfer_guard not in TRANSFER_GUARDS:
       raise JetSpecError(f"transfer_guard {transfer_guard!r} is not one of {', '.join(TRANSFER_GUARDS)}")
     self.transfer_guard, self.on_fetch = transfer_guard, on_fetch
@@ -120,6 +120,9 @@ class Generator:
     self.sampling = sampling_cfg.resolved()
     self.eos = loop.resolve_eos(target_cfg, eos_ids)
     self.attn_impl, self.mesh, self.drafter = attn_impl, mesh, drafter
+    if prefill_chunk is not None and prefill_chunk < 0:
+      raise JetSpecError(f"prefill_chunk must be >= 0 (0: the whole prompt in one forward), got {prefill_chunk}")
+    self.prefill_chunk = prefill_chunk
     self.cache_dtype = cache_dtype or target_params["embed"].dtype
     self.tree = None
     if head_cfg is not None:
@@ -142,6 +145,9 @@ class Generator:
     from (fold_in(key, b)); default ``jax.random.key(sampling.seed)``."""
     tokens, lengths = batch_prompts(prompts, self.cfg.vocab_size, width=width)
     batch = len(prompts)
+    chunk = self._prefill_chunk(batch, tokens.shape[1], max_new_tokens)
+    if chunk and tokens.shape[1] % chunk:                 # whole chunks: pad the prompts' width to a multiple
+      tokens, lengths = batch_prompts(prompts, self.cfg.vocab_size, width=-(-tokens.shape[1] // chunk) * chunk)
     if self.speculative:
       target_len, draft_len = speculative.cache_lengths(tokens.shape[1], max_new_tokens, self.head_cfg, self.tree)
     else:
@@ -151,13 +157,20 @@ class Generator:
     key = jax.random.key(self.sampling.seed) if key is None else key
     base, taps = loop.prefill(self.params, cache, jnp.asarray(tokens), jnp.asarray(lengths), key, cfg=self.cfg,
                               max_new_tokens=max_new_tokens, eos_ids=self.eos, attn_impl=self.attn_impl,
-                              tap_layers=taps_at, mesh=self.mesh, **self._sampling_args())
+                              tap_layers=taps_at, mesh=self.mesh, chunk=chunk, **self._sampling_args())
     if not self.speculative:
       return base
     draft_cache = draft_head.init_context_cache(self.head_cfg, batch, draft_len, self.head_params["fc"].dtype,
                                                 self.mesh)
     draft_cache = speculative.prefill_context(self.head_params, draft_cache, taps, head_cfg=self.head_cfg)
     return speculative.init_state(base, draft_cache, self.tree)
+
+  def _prefill_chunk(self, batch: int, width: int, max_new_tokens: int) -> int:
+    """``prefill_chunk`` if given, else ``loop.prefill_chunk``'s memory-bounded choice for this batch."""
+    if self.prefill_chunk is not None:
+      return self.prefill_chunk if self.prefill_chunk < width else 0
+    scratch = self.tree.num_nodes() + 1 if self.speculative else 0
+    return loop.prefill_chunk(batch, self.cfg.num_attention_heads, width, width + max_new_tokens + scratch, self.mesh)
 
   def _decode_call(self, state):
     """(jitted decode program, its positional and keyword arguments) for ``state``."""

@@ -53,21 +53,65 @@ def commit_tokens(tokens, num_tokens, done, new, count, eos_ids: tuple[int, ...]
   return tokens, num_tokens, done, limit
 
 
+PREFILL_SCORE_BYTES = 1 << 30    # per device and layer: the attention scores one prefill chunk may hold
+
+
+def prefill_chunk(batch: int, heads: int, prompt_width: int, cache_len: int, mesh=None,
+                  budget: int = PREFILL_SCORE_BYTES) -> int:
+  """The prefill chunk (query rows per forward) that keeps one layer's float32 attention scores
+  [B, H, chunk, cache_len] within ``budget`` bytes per device: 0 (the whole prompt in one forward) when
+  it fits, else the largest power of two that does (at least 16). Batch and heads count per device."""
+  if mesh is not None:
+    data, model = mesh.shape["data"], mesh.shape["model"]
+    batch, heads = -(-batch // data), -(-heads // model) if heads % model == 0 else heads
+  per_row = batch * heads * cache_len * 4
+  if prompt_width * per_row <= budget:
+    return 0
+  return max(16, 1 << max(int(budget // per_row).bit_length() - 1, 0))
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "max_new_tokens", "eos_ids", "temperature", "attn_impl",
-                                             "tap_layers", "mesh", "top_k", "top_p"), donate_argnames=("cache",))
+                                             "tap_layers", "mesh", "top_k", "top_p", "chunk"),
+                   donate_argnames=("cache",))
 def prefill(params, cache, prompt, prompt_len, key, *, cfg: Qwen3Config, max_new_tokens: int,
             eos_ids: tuple[int, ...], temperature: float, attn_impl: str = "xla",
-            tap_layers: tuple[int, ...] = (), mesh=None, top_k: int = 0, top_p: float = 1.0):
+            tap_layers: tuple[int, ...] = (), mesh=None, top_k: int = 0, top_p: float = 1.0, chunk: int = 0):
   """Run right-padded prompts [B, T] (lengths [B]) through the target; select the first token.
 
-  ``key``: one PRNG key (sequence b then uses fold_in(key, b)) or [B] per-sequence keys.
-  Returns (DecodeState, taps [B, T, F] or None)."""
+  ``chunk`` > 0 (T a multiple of it): the prompt goes through in forwards of ``chunk`` rows (one
+  ``lax.scan``), each attending to the cache rows before it, so attention scores take [B, H, chunk, S]
+  instead of [B, H, T, S] (``prefill_chunk`` picks it). ``key``: one PRNG key (sequence b then uses
+  fold_in(key, b)) or [B] per-sequence keys. Returns (DecodeState, taps [B, T, F] or None)."""
   batch, length = prompt.shape
-  positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
   target = qwen3.bind(cfg, params)
-  h, cache, taps = target.hidden(prompt, positions, qwen3.causal_mask(batch, length), cache=cache,
-                                 prefix_len=jnp.zeros((batch,), jnp.int32), tap_layers=tap_layers,
-                                 rows=(prompt_len - 1)[:, None], attn_impl=attn_impl, mesh=mesh)
+  last_row = prompt_len - 1
+  if not chunk or chunk >= length:
+    positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
+    h, cache, taps = target.hidden(prompt, positions, qwen3.causal_mask(batch, length), cache=cache,
+                                   prefix_len=jnp.zeros((batch,), jnp.int32), tap_layers=tap_layers,
+                                   rows=last_row[:, None], attn_impl=attn_impl, mesh=mesh)
+  else:
+    if length % chunk:
+      raise ValueError(f"prefill chunk {chunk} does not divide the prompt width {length}")
+
+    def forward(cache, start):
+      rows = jax.lax.dynamic_slice_in_dim(prompt, start, chunk, axis=1)
+      positions = jnp.broadcast_to(start + jnp.arange(chunk, dtype=jnp.int32), (batch, chunk))
+      return target.hidden(rows, positions, qwen3.causal_mask(batch, chunk), cache=cache,
+                           prefix_len=jnp.full((batch,), start, jnp.int32), tap_layers=tap_layers,
+                           rows=jnp.clip(last_row - start, 0, chunk - 1)[:, None], attn_impl=attn_impl, mesh=mesh)
+
+    def step(carry, start):
+      cache, h_last = carry
+      h, cache, taps = forward(cache, start)
+      mine = (last_row >= start) & (last_row < start + chunk)          # the row's last prompt token is here
+      return (cache, jnp.where(mine[:, None, None], h, h_last)), taps
+
+    h_shape = jax.eval_shape(forward, cache, jnp.int32(0))[0]
+    (cache, h), taps = jax.lax.scan(step, (cache, jnp.zeros(h_shape.shape, h_shape.dtype)),
+                                    jnp.arange(0, length, chunk, dtype=jnp.int32))
+    if taps is not None:                                                  # [T / chunk, B, chunk, F] -> [B, T, F]
+      taps = jnp.moveaxis(taps, 0, 1).reshape(batch, length, taps.shape[-1])
   logits = target.logits(h)
   keys = sequence_keys(key, batch) if key.ndim == 0 else key
   first = sample_tokens(logits[:, 0], step_keys(keys, 0), temperature, top_k, top_p)

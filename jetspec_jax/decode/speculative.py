@@ -3,9 +3,13 @@ whose body is draft -> build tree -> verify -> accept -> commit, with no host ro
 (``decode.generation.Generator`` runs them after ``decode.loop.prefill``).
 
 Invariants at the top of every round (per sequence b):
-  target cache rows 0..prefix_len[b]-1 hold the committed tokens except ``last_token``;
+  target cache rows 0..prefix_len[b]-1 hold the committed tokens except ``last_token``, so
+  prefix_len[b] = prompt length + num_tokens[b] - 1 <= prompt length + max_new_tokens - 1;
   draft context cache rows 0..prefix_len[b]-1 hold those same positions' fused target features;
-  ``last_token`` (the newest committed token) is the anchor of the next block.
+  ``last_token`` (the newest committed token) is the anchor of the next block;
+  a finished row (EOS or max_new_tokens) still runs each round (static shapes) but commits nothing: its
+  prefix_len and committed rows stay as they are, and its round writes only rows prefix_len[b] onwards,
+  which ``cache_lengths`` keeps inside the caches.
 Greedy output is identical to plain autoregressive decoding (tested in float32).
 
 At temperature > 0 the round samples instead (``decode.sampling`` processing applied identically
@@ -235,10 +239,12 @@ def spec_decode(target_params, head_params, state: SpecState, *, cfg: Qwen3Confi
       path_taps = jnp.take_along_axis(taps, acc.path[:, :, None], axis=1)              # [B, D+1, F]
       draft_cache = head.append_context(draft_cache, path_taps, b.prefix_len)
       new, count = verify.accepted_tokens(tree, acc)
-      tokens, num, done, _ = commit_tokens(b.tokens, b.num_tokens, b.done, new, count, eos_ids)
+      tokens, num, done, appended = commit_tokens(b.tokens, b.num_tokens, b.done, new, count, eos_ids)
+    # prefix_len grows by the committed tokens only (0 once a row is done; cut at EOS and max_new_tokens), so a
+    # finished row's later rounds write only scratch rows past its prefix, inside the cache (cache_lengths).
     base = DecodeState(cache=cache, tokens=tokens, num_tokens=num,
                        last_token=jnp.where(active, acc.correction, b.last_token),
-                       prefix_len=b.prefix_len + jnp.where(active, count, 0), done=done, key=b.key,
+                       prefix_len=b.prefix_len + appended, done=done, key=b.key,
                        steps=b.steps + 1)
     hist = s.depth_hist + (jax.nn.one_hot(acc.depth, depth + 1, dtype=jnp.int32) * active[:, None])
     visits, hits, mass = observe_ranks(tree, acc, new, active)

@@ -14,6 +14,8 @@ nodes sit at prefix_len + depth. Without a cache (training) the rows attend to e
 """
 from __future__ import annotations
 
+import functools
+
 import flax.struct
 import jax
 import jax.numpy as jnp
@@ -23,7 +25,7 @@ from jetspec_jax.config import Qwen3Config
 from jetspec_jax.models import params as P
 from jetspec_jax.models.layers import MLP, Attention, DecoderLayer, RMSNorm, cached_attention
 from jetspec_jax.models.moe import MoE
-from jetspec_jax.sharding import shard
+from jetspec_jax.sharding import named_sharding, shard
 
 
 @flax.struct.dataclass
@@ -41,9 +43,20 @@ CACHE_AXES = ("batch", "kv_heads", "seq", "head_dim")
 
 
 def zero_cache(num_layers: int, shape: tuple[int, ...], dtype, mesh=None) -> KVCache:
-  """``num_layers`` zeroed [B, Hkv, S, Dh] keys and values, sharded over (data, model)."""
-  zeros = lambda: shard(jnp.zeros(shape, dtype), CACHE_AXES, mesh)
+  """``num_layers`` zeroed [B, Hkv, S, Dh] keys and values, sharded over (data, model). Each buffer is
+  born in its sharding (``zero_cache_program``): no device ever holds more than its shard."""
+  if mesh is None:
+    zeros = lambda: jnp.zeros(shape, dtype)
+  else:
+    zeros = zero_cache_program(shape, jnp.dtype(dtype), named_sharding(CACHE_AXES, shape, mesh))
   return KVCache(k=tuple(zeros() for _ in range(num_layers)), v=tuple(zeros() for _ in range(num_layers)))
+
+
+@functools.lru_cache(maxsize=64)
+def zero_cache_program(shape: tuple[int, ...], dtype, sharding):
+  """The jitted program that creates one zeroed cache buffer directly in ``sharding`` (each device writes
+  only its shard; under an outer jit it is inlined as a sharded broadcast)."""
+  return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
 
 
 def init_cache(cfg: Qwen3Config, batch: int, max_len: int, dtype, mesh=None) -> KVCache:

@@ -28,6 +28,7 @@ import struct
 import time
 from typing import Mapping
 
+from jetspec_jax import files
 from jetspec_jax.errors import JetSpecError
 
 FILE_VERSION = "brain.Event:2"
@@ -111,12 +112,19 @@ def _len_field(field: int, payload: bytes) -> bytes:
   return _key(field, 2) + _varint(len(payload)) + payload
 
 
+SESSION_LOG_START = 1   # tensorflow.SessionLog.START: TensorBoard drops earlier events at steps >= this one's
+
+
 def encode_event(wall_time: float, step: int, *, file_version: str | None = None,
-                 scalars: Mapping[str, float] | None = None) -> bytes:
-  """The serialized ``tensorflow.Event`` with the given fields (scalars as ``simple_value``)."""
+                 scalars: Mapping[str, float] | None = None, session_log_start: bool = False) -> bytes:
+  """The serialized ``tensorflow.Event`` with the given fields (scalars as ``simple_value``;
+  ``session_log_start``: a ``SessionLog`` START, how a restarted run tells TensorBoard to purge the steps
+  it repeats)."""
   out = _key(1, 1) + struct.pack("<d", float(wall_time)) + _key(2, 0) + _varint(int(step))
   if file_version is not None:
     out += _len_field(3, file_version.encode("utf-8"))
+  if session_log_start:
+    out += _len_field(6, _key(1, 0) + _varint(SESSION_LOG_START))
   if scalars:
     summary = b"".join(
         _len_field(1, _len_field(1, tag.encode("utf-8")) + _key(2, 5) + _f32(value))
@@ -181,9 +189,14 @@ class MetricsWriter:
     log_dir: directory for both files (created if missing).
     enabled: ``False`` makes every call a no-op (nothing is created).
     process_index: this process's index; defaults to ``jax.process_index()``. Only 0 writes.
+    start_step: the step the run starts after (0: a fresh run; k: resumed from a checkpoint of step k).
+      Records of later steps that an earlier run wrote to metrics.jsonl are dropped (that run's work past
+      its last checkpoint is redone and logged again), and the new event file opens with a TensorBoard
+      restart marker at step k + 1, so TensorBoard drops them too. None keeps every earlier record.
   """
 
-  def __init__(self, log_dir: str | os.PathLike | None, enabled: bool = True, process_index: int | None = None):
+  def __init__(self, log_dir: str | os.PathLike | None, enabled: bool = True, process_index: int | None = None,
+               start_step: int | None = None):
     if process_index is None and enabled:
       process_index = _default_process_index()
     self.process_index = 0 if process_index is None else int(process_index)
@@ -208,9 +221,15 @@ class MetricsWriter:
       n += 1
       path = f"{base}.{n}"
     self.event_path = path
+    if start_step is not None and os.path.exists(self.jsonl_path):
+      with open(self.jsonl_path, encoding="utf-8") as f:
+        kept = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= start_step]
+      files.write_text(self.jsonl_path, "".join(kept))
     self._jsonl = open(self.jsonl_path, "a", encoding="utf-8")
     self._events = open(self.event_path, "xb")
     self._events.write(tfrecord(encode_event(time.time(), 0, file_version=FILE_VERSION)))
+    if start_step:
+      self._events.write(tfrecord(encode_event(time.time(), start_step + 1, session_log_start=True)))
     self._events.flush()
 
   def write(self, step, scalars: Mapping[str, object]) -> None:

@@ -59,8 +59,8 @@ def prompt_bucket(length: int) -> int:
 
 
 def generate_batches(params, cfg, prompts: Sequence[Sequence[int]], *, batch_size: int, max_new_tokens: int,
-                     eos_ids: tuple[int, ...], temperature: float, key: jax.Array, mesh=None,
-                     on_batch=lambda tokens: None) -> list[list[int]]:
+                     eos_ids: tuple[int, ...], temperature: float, key: jax.Array, mesh=None, attn_impl="xla",
+                     prefill_chunk: int | None = None, on_batch=lambda tokens: None) -> list[list[int]]:
   """Generated ids (EOS included when hit) for each prompt, as one AR ``Generator`` call per prompt would give.
 
   Prompts are sorted by length and run ``batch_size`` at a time; each batch is right-padded to
@@ -68,7 +68,8 @@ def generate_batches(params, cfg, prompts: Sequence[Sequence[int]], *, batch_siz
   few shapes compile. Extra padding does not change a row (the loop already serves ragged batches).
   Batch b samples with ``fold_in(key, b)``. ``on_batch(generated_tokens)`` is called after each batch.
   """
-  generator = Generator(cfg, params, sampling_cfg=SamplingConfig(temperature=temperature), eos_ids=eos_ids, mesh=mesh)
+  generator = Generator(cfg, params, sampling_cfg=SamplingConfig(temperature=temperature), eos_ids=eos_ids, mesh=mesh,
+                        attn_impl=attn_impl, prefill_chunk=prefill_chunk)
   order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
   out: list[list[int]] = [[] for _ in prompts]
   for b in range(0, len(order), batch_size):
@@ -93,11 +94,12 @@ class _Example:
   open: bool = True     # may take another turn
 
 
-def _resolve_target(target, mesh):
-  """(cfg, params, tokenizer) from a path or a loaded ``(cfg, params, tokenizer or tokenizer dir)``."""
+def _resolve_target(target, mesh, dtype=None):
+  """(cfg, params, tokenizer) from a path (weights cast to ``dtype``; None: as stored) or a loaded
+  ``(cfg, params, tokenizer or tokenizer dir)``."""
   if isinstance(target, (str, os.PathLike)):
     from jetspec_jax.convert import load_target
-    cfg, params, side = load_target(os.fspath(target), mesh=mesh)
+    cfg, params, side = load_target(os.fspath(target), dtype, mesh=mesh)
     return cfg, params, load_tokenizer(side)
   cfg, params, tokenizer = target
   return cfg, params, load_tokenizer(tokenizer) if isinstance(tokenizer, (str, os.PathLike)) else tokenizer
@@ -124,7 +126,8 @@ def _open_output(out_dir: str, settings: dict) -> dict:
 def regenerate(target, source: str, out_dir: str, *, max_new_tokens: int = 1024, batch_size: int = 32,
                temperature: float = 0.0, seed: int = 0, limit: int | None = None, chunk_size: int = 1024,
                max_turns: int = 1, enable_thinking: bool = False, max_prompt_tokens: int | None = None,
-               mesh=None, progress: bool = True) -> dict:
+               mesh=None, dtype=None, attn_impl="xla", prefill_chunk: int | None = None,
+               progress: bool = True) -> dict:
   """Replace the responses of ``source`` (see ``sources.iter_conversations``) by the target's own.
 
   ``target``: a target path (HF directory or converted checkpoint, tokenizer beside it) or a loaded
@@ -132,12 +135,13 @@ def regenerate(target, source: str, out_dir: str, *, max_new_tokens: int = 1024,
   per output file; prompts longer than ``max_prompt_tokens`` end a conversation (before its first
   turn: it is skipped), and so does a response cut at ``max_new_tokens``. Returns a summary of this
   run: examples written, skipped, truncated responses, chunks written / reused, tokens generated,
-  seconds.
+  seconds. ``dtype``, ``attn_impl``, ``prefill_chunk``: the target's weights and generation (``Generator``);
+  the prefill is memory-bounded whatever the prompt length (``decode.loop.prefill_chunk``).
   """
   if min(max_new_tokens, batch_size, chunk_size, max_turns) <= 0 or (limit is not None and limit <= 0):
     raise JetSpecError("max_new_tokens, batch_size, chunk_size, max_turns and limit must be positive")
   t0 = time.perf_counter()
-  cfg, params, tokenizer = _resolve_target(target, mesh)
+  cfg, params, tokenizer = _resolve_target(target, mesh, dtype)
   if len(tokenizer) > cfg.vocab_size:
     raise JetSpecError(f"the tokenizer has {len(tokenizer)} tokens, more than the target's vocab_size {cfg.vocab_size}")
   encoder = ChatEncoder(tokenizer, enable_thinking)
@@ -176,7 +180,8 @@ def regenerate(target, source: str, out_dir: str, *, max_new_tokens: int = 1024,
     rows = _regenerate_chunk(params, cfg, encoder, chunk, start, summary, count, batch_size=batch_size,
                              max_new_tokens=max_new_tokens, eos_ids=eos_ids, temperature=float(temperature),
                              key=jax.random.fold_in(jax.random.key(seed), k), max_turns=max_turns,
-                             max_prompt_tokens=max_prompt_tokens, mesh=mesh)
+                             max_prompt_tokens=max_prompt_tokens, mesh=mesh, attn_impl=attn_impl,
+                             prefill_chunk=prefill_chunk)
     if writer:
       write_jsonl(os.path.join(out_dir, chunk_name(start, end)), rows)
     summary["examples"] += len(rows)
@@ -191,7 +196,7 @@ def regenerate(target, source: str, out_dir: str, *, max_new_tokens: int = 1024,
 
 def _regenerate_chunk(params, cfg, encoder: ChatEncoder, chunk: list[Conversation], start: int, summary: dict,
                       count, *, batch_size, max_new_tokens, eos_ids, temperature, key, max_turns,
-                      max_prompt_tokens, mesh) -> list[dict]:
+                      max_prompt_tokens, mesh, attn_impl, prefill_chunk) -> list[dict]:
   """Rows ``{"index", "messages"}`` for ``chunk`` (source positions ``start, start + 1, ...``); turn t
   samples with ``fold_in(key, t)``."""
   examples = [_Example(start + j, c, turn_positions(c)[:max_turns]) for j, c in enumerate(chunk)]
@@ -210,7 +215,8 @@ def _regenerate_chunk(params, cfg, encoder: ChatEncoder, chunk: list[Conversatio
       break
     outputs = generate_batches(params, cfg, [ids for _, _, ids in jobs], batch_size=batch_size,
                                max_new_tokens=max_new_tokens, eos_ids=eos_ids, temperature=temperature,
-                               key=jax.random.fold_in(key, t), mesh=mesh, on_batch=count)
+                               key=jax.random.fold_in(key, t), mesh=mesh, attn_impl=attn_impl,
+                               prefill_chunk=prefill_chunk, on_batch=count)
     for (ex, context, _), ids in zip(jobs, outputs):
       finished = bool(ids) and ids[-1] in eos_ids
       response = ids[:-1] if finished else ids

@@ -141,16 +141,20 @@ def fit(step_fn, state: TrainState, batches, opt: OptimizerConfig, *, sharding, 
   ``record(metrics, window)`` go to ``log_dir``'s MetricsWriter and the progress bar (``window``:
   ``steps``, ``seconds`` and the ``keep`` values since the previous record; the first step, mostly
   compilation, is in none); then each ``hook(step, state)`` may return a record to write. Every
-  ``checkpoint_every`` steps and at the last, ``store`` saves the state with ``{data_state, step}``.
+  ``checkpoint_every`` steps (0: none before the last) and at the last, ``store`` saves the state with
+  ``{data_state, step}``. Metrics of steps past the resumed checkpoint that an interrupted run logged are
+  replaced, not repeated (``MetricsWriter``'s ``start_step``).
   """
   from tqdm import tqdm
   from jetspec_jax.train.metrics import MetricsWriter
+  if checkpoint_every < 0:
+    raise JetSpecError(f"checkpoint.every must be >= 0 (0: a checkpoint at the end only), got {checkpoint_every}")
   if store is not None and store.latest_step() is not None:
     state, meta = store.restore(store.latest_step(), abstract(state))
     batches.state = int(meta["data_state"])
     log.info("resumed from step %d", int(state.step))
   total, start = opt.steps * opt.grad_accum, int(state.step)
-  writer = MetricsWriter(log_dir, enabled=log_dir is not None)
+  writer = MetricsWriter(log_dir, enabled=log_dir is not None, start_step=start)
   bar = tqdm(total=total, initial=start, desc=desc, unit="step", disable=not progress or jax.process_index() != 0)
   kept, last, done = {k: [] for k in keep}, {}, 0
   t_start = t_first = t_log = time.perf_counter()
@@ -177,7 +181,7 @@ def fit(step_fn, state: TrainState, batches, opt: OptimizerConfig, *, sharding, 
       if extra := hook(step, state):
         writer.write(step, extra)
         last.update(extra)
-    if store is not None and (step % checkpoint_every == 0 or step == total):
+    if store is not None and (checkpoint_every and step % checkpoint_every == 0 or step == total):
       store.save(step, state, {"data_state": batches.state, "step": step})
     bar.update(1)
   jax.block_until_ready(state)

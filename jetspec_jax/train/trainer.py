@@ -28,7 +28,7 @@ from jetspec_jax.distributed import host_values
 from jetspec_jax.errors import JetSpecError
 from jetspec_jax.models import draft_head, qwen3
 from jetspec_jax.models.draft_head import DraftConfig
-from jetspec_jax.sharding import make_mesh, named_sharding
+from jetspec_jax.sharding import host_mesh, make_mesh, named_sharding
 from jetspec_jax.train import objective, runtime
 
 BATCH_FIELDS = ("input_ids", "loss_mask", "segment_ids", "positions")   # each [B, L] int32 (batching.pad_rows)
@@ -81,15 +81,9 @@ def compile_step(state, target_params, *, target_cfg, head_cfg, tc, tx, mesh):
 
 
 def build_mesh(mc: ml_collections.ConfigDict):
-  """(data, model) mesh: data=-1 takes every device the model axis leaves; an explicit size uses the
-  first data*model devices (which must then include every process's devices)."""
-  model, count = int(mc.model), jax.device_count()
-  if model < 1 or count % model:
-    raise JetSpecError(f"mesh.model={model} does not divide the {count} devices")
-  data = count // model if mc.data in (-1, 0) else int(mc.data)
-  if data * model > count:
-    raise JetSpecError(f"mesh {data}x{model} needs {data * model} devices but {count} are available")
-  return make_mesh(data, model, jax.devices()[:data * model])
+  """The config's (data, model) mesh on this job's hosts (``sharding.host_mesh``: the model axis inside a
+  host, data across hosts; data=-1 takes every device)."""
+  return host_mesh(int(mc.data), int(mc.model))
 
 
 def target_layout(target_cfg: Qwen3Config, mc: ml_collections.ConfigDict) -> Qwen3Config:
