@@ -112,19 +112,19 @@ def _len_field(field: int, payload: bytes) -> bytes:
   return _key(field, 2) + _varint(len(payload)) + payload
 
 
-SESSION_LOG_START = 1   # tensorflow.SessionLog.START: TensorBoard drops earlier events at steps >= this one's
+RESTART_STATUS = 1   # Event field 6 with status START: TensorBoard drops earlier events at steps >= this one's
 
 
 def encode_event(wall_time: float, step: int, *, file_version: str | None = None,
-                 scalars: Mapping[str, float] | None = None, session_log_start: bool = False) -> bytes:
+                 scalars: Mapping[str, float] | None = None, restart: bool = False) -> bytes:
   """The serialized ``tensorflow.Event`` with the given fields (scalars as ``simple_value``;
-  ``session_log_start``: a ``SessionLog`` START, how a restarted run tells TensorBoard to purge the steps
-  it repeats)."""
+  ``restart``: the START marker with which a restarted run tells TensorBoard to purge the steps it
+  repeats)."""
   out = _key(1, 1) + struct.pack("<d", float(wall_time)) + _key(2, 0) + _varint(int(step))
   if file_version is not None:
     out += _len_field(3, file_version.encode("utf-8"))
-  if session_log_start:
-    out += _len_field(6, _key(1, 0) + _varint(SESSION_LOG_START))
+  if restart:
+    out += _len_field(6, _key(1, 0) + _varint(RESTART_STATUS))
   if scalars:
     summary = b"".join(
         _len_field(1, _len_field(1, tag.encode("utf-8")) + _key(2, 5) + _f32(value))
@@ -229,7 +229,7 @@ class MetricsWriter:
     self._events = open(self.event_path, "xb")
     self._events.write(tfrecord(encode_event(time.time(), 0, file_version=FILE_VERSION)))
     if start_step:
-      self._events.write(tfrecord(encode_event(time.time(), start_step + 1, session_log_start=True)))
+      self._events.write(tfrecord(encode_event(time.time(), start_step + 1, restart=True)))
     self._events.flush()
 
   def write(self, step, scalars: Mapping[str, object]) -> None:
