@@ -238,3 +238,18 @@ def test_changed_code_rebuilds_that_stage_and_later_ones(result, tmp_path, monke
       assert a.read() == b.read(), rel
   taus = lambda res: {(bank, n): m["tau"] for bank, r in res["bench"].items() for n, m in r["modes"].items()}
   assert taus(again) == taus(result)
+
+
+def test_bf16_agreement_benchmark_runs_on_the_demo(result, tmp_path):
+  """bench/bf16_agreement.py at toy size: every row counts its sequences, and a mode equal to AR on all of
+  them reports no first difference."""
+  import sys
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  from bench import bf16_agreement
+  out = tmp_path / "bf16.json"
+  assert bf16_agreement.main(["--workdir", result["workdir"], "--quick", "--prompts", "3", "--max-new-tokens", "8",
+                              "--wide-layers", "1", "--out", str(out)]) == 0
+  rows = json.loads(out.read_text())["rows"]
+  assert {r["model"] for r in rows} == {"demo", "random 8B width"}
+  for r in rows:
+    assert 0 <= r["equal_to_ar"] <= r["sequences"] and (r["mean_first_difference"] is None) == (r["share_equal"] == 1)

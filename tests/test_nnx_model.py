@@ -68,8 +68,10 @@ def test_weights_are_created_in_their_shardings(cfg):
   for name, spec in qwen3.param_specs(cfg).items():
     assert params[name].sharding.spec == sharding.logical_to_spec(spec.axes, spec.shape, mesh), name
   single = qwen3.init_target(cfg, jax.random.key(0))
+  # The same draws; the sharded program may round the init's scaling differently (jax 0.12 on an AVX-512
+  # CPU: 1 ulp in 4% of one MoE weight's elements), so equal to float32 rounding, not bit for bit.
   for name in params:
-    np.testing.assert_array_equal(np.asarray(params[name]), np.asarray(single[name]))
+    np.testing.assert_allclose(np.asarray(params[name]), np.asarray(single[name]), rtol=1e-6, atol=0)
 
 
 @pytest.mark.usefixtures("eight_devices")

@@ -179,47 +179,43 @@ def test_regenerate_from_a_target_directory(tmp_path, tok):
 
 
 def test_two_processes_regenerate_what_one_does(tmp_path, tok):
-  """`jetspec-jax regenerate` under launch/local.sh (2 processes x 2 CPU devices): the batch is split over
-  all 4 devices, process 0 alone writes, and the rows equal a single process's over the same 4-device
-  mesh. A rerun reuses the chunks; changed settings are refused by every process."""
+  """`jetspec-jax regenerate` under launch/local.sh, 2 processes x 8 CPU devices (two 8-GPU hosts): the batch
+  is split over all 16 devices, process 0 alone writes, and the rows equal one process's with 16 devices. A
+  rerun reuses the chunks; changed settings are refused by every process."""
   import subprocess
   import sys
 
-  import jax
   import hf_fixtures
-  from jetspec_jax.sharding import make_mesh
   repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   model_dir = str(tmp_path / "target")
   hf_fixtures.save_model(hf_fixtures.build_model(hf_fixtures.hf_config("dense_tied", vocab_size=len(tok))), model_dir)
   tok.save_pretrained(model_dir)
   source = tmp_path / "src.jsonl"
   source.write_text("".join(json.dumps({"messages": c}) + "\n" for c in source_conversations()))
-  single = regen.regenerate(model_dir, str(source), str(tmp_path / "one"), max_new_tokens=MAX_NEW, batch_size=4,
-                            mesh=make_mesh(4, 1, jax.devices()[:4]), progress=False)
-
   env = dict(os.environ, PYTHONPATH=repo, JETSPEC_KILL_GRACE="5")
   env.pop("XLA_FLAGS", None)
 
-  def launch(*extra):
-    cmd = ["bash", os.path.join(repo, "launch", "local.sh"), "-n", "2", "--cpu-devices", "2", "--", sys.executable,
-           "-m", "jetspec_jax.cli", "regenerate", "--target", model_dir, "--source", str(source), "--out-dir",
-           str(tmp_path / "two"), "--max-new-tokens", str(MAX_NEW), "--batch-size", "4", "--json", *extra]
+  def launch(processes, devices, out, *extra):
+    cmd = ["bash", os.path.join(repo, "launch", "local.sh"), "-n", str(processes), "--cpu-devices", str(devices), "--",
+           sys.executable, "-m", "jetspec_jax.cli", "regenerate", "--target", model_dir, "--source", str(source),
+           "--out-dir", str(tmp_path / out), "--max-new-tokens", str(MAX_NEW), "--batch-size", "16", "--json", *extra]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
 
   def summaries(proc):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return [json.loads(line.split("] ", 1)[1]) for line in proc.stdout.splitlines() if "{" in line]
 
-  first = summaries(launch())
-  assert len(first) == 2 and first[0]["processes"] == 2
+  single, = summaries(launch(1, 16, "one", "--mesh", "16x1"))
+  first = summaries(launch(2, 8, "two"))
+  assert len(first) == 2 and first[0]["processes"] == 2 and first[0]["settings"]["mesh"] == single["settings"]["mesh"] == {"data": 16, "model": 1}
   for s in first:
     assert {k: s[k] for k in ("examples", "skipped", "truncated", "tokens", "chunks_written")} == \
         {k: single[k] for k in ("examples", "skipped", "truncated", "tokens", "chunks_written")}
   assert read_rows(tmp_path / "two") == read_rows(tmp_path / "one")
   assert sorted(os.listdir(tmp_path / "two")) == sorted(os.listdir(tmp_path / "one"))   # no temporary files left
-  again = summaries(launch())
+  again = summaries(launch(2, 8, "two"))
   assert [(s["chunks_reused"], s["chunks_written"]) for s in again] == [(1, 0), (1, 0)]
-  refused = launch("--temperature", "0.5")
+  refused = launch(2, 8, "two", "--temperature", "0.5")
   assert refused.returncode == 2 and refused.stderr.count("temperature=0.0, not 0.5") == 2, refused.stderr[-2000:]
 
 
