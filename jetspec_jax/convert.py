@@ -188,10 +188,21 @@ def load_weights(reader: SafetensorsReader, table: Sequence[Mapping], specs: dic
   return params
 
 
+def host_copy(x) -> np.ndarray:
+  """A host copy of ``x`` assembled from its addressable shards. Unlike ``np.asarray(x)`` it leaves no
+  host copy cached on the array, so fetching a sharded model weight by weight holds one weight at a time."""
+  if not isinstance(x, jax.Array) or len(x.addressable_shards) == 1:
+    return np.asarray(jax.device_get(x))
+  out = np.empty(x.shape, x.dtype)
+  for shard in x.addressable_shards:
+    out[shard.index] = np.asarray(shard.data)
+  return out
+
+
 def _hf_tensors(table: Sequence[Mapping], params: dict[str, jax.Array], dtype) -> Iterator[tuple[str, np.ndarray]]:
   """(HF key, host tensor) pairs in table order, fetched one weight at a time."""
   for m in table:
-    host = np.asarray(jax.device_get(params[m.param]))
+    host = host_copy(params[m.param])
     if dtype is not None:
       host = host.astype(dtype, copy=False)
     yield from zip(m.hf_keys, m.to_hf(host))
