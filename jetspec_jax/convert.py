@@ -30,7 +30,7 @@ from jetspec_jax.config import Qwen3Config, load_hf_config, read_json
 from jetspec_jax import files
 from jetspec_jax.errors import JetSpecError
 from jetspec_jax.models.params import ParamSpec
-from jetspec_jax.sharding import make_mesh, named_sharding
+from jetspec_jax.sharding import logical_to_spec, make_mesh, named_sharding
 from jetspec_jax.tokenizer import hf4_tokenizer_config
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
@@ -374,13 +374,21 @@ def convert_hf(hf_dir: str, out_dir: str, dtype=None, mesh=None, overwrite=False
 
 
 def export_mesh(cfg: Qwen3Config):
-  """The mesh ``export_hf`` restores onto: this process's devices on the model axis, as many as divide the
-  query heads and MLP widths (each device then holds that share of every split weight; the rest are
-  replicated), or None (one device) when only 1 does."""
-  widths = [cfg.num_attention_heads] + [w for w in (cfg.intermediate_size, cfg.moe_intermediate_size) if w]
-  local = jax.local_devices()
-  n = max(d for d in range(1, len(local) + 1) if len(local) % d == 0 and all(w % d == 0 for w in widths))
-  return None if n == 1 else make_mesh(1, n, local[:n])
+  """The mesh ``export_hf`` restores onto: this process's devices on the model axis, the most of them on
+  which every weight's declared sharding is valid (each device then holds that share of every split weight),
+  or None (one device) when only 1 is."""
+  from jetspec_jax.models.qwen3 import param_specs
+  specs, local = param_specs(cfg).values(), jax.local_devices()
+  for n in range(len(local), 1, -1):
+    if len(local) % n == 0:
+      mesh = make_mesh(1, n, local[:n])
+      try:
+        for spec in specs:
+          logical_to_spec(spec.axes, spec.shape, mesh)
+      except JetSpecError:
+        continue
+      return mesh
+  return None
 
 
 def export_hf(ckpt_dir: str, out_dir: str, shard_bytes: int = DEFAULT_SHARD_BYTES, overwrite=False,

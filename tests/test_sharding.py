@@ -79,7 +79,9 @@ def test_8b_cache_is_born_in_its_shards():
   mem = compiled.memory_analysis()
   assert mem.output_size_in_bytes == shard_bytes and mem.temp_size_in_bytes <= shard_bytes
   assert "[64,8,4096,128]" not in compiled.as_text() and "[64,1,4096,128]" in compiled.as_text()
+  programs = qwen3.zero_cache_program.cache_info()
   small = qwen3.zero_cache(2, (8, 8, 16, 4), jnp.float32, mesh)
+  assert qwen3.zero_cache_program.cache_info().misses == programs.misses + 1     # zero_cache goes through it
   assert all(x.sharding.spec == spec.spec for x in small.k + small.v)
   assert all(s.data.shape == (8, 1, 16, 4) for x in small.k for s in x.addressable_shards)
 
