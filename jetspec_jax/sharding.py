@@ -119,3 +119,12 @@ def shard(x: jax.Array, axes, mesh: Mesh | None) -> jax.Array:
   if isinstance(x, jax.core.Tracer):
     return jax.lax.with_sharding_constraint(x, s)
   return jax.device_put(x, s)
+
+
+def per_data_shard(fn, mesh: Mesh | None):
+  """``fn`` run on each data shard's rows separately: every argument and result is split along its leading
+  (batch) axis over ``data`` and replicated over ``model``. For per-row work that XLA would otherwise
+  gather across shards (its top-k sorts the whole batch); the caller keeps the batch divisible."""
+  if mesh is None or mesh.shape["data"] == 1:
+    return fn
+  return jax.shard_map(fn, mesh=mesh, in_specs=P("data"), out_specs=P("data"), check_vma=False)

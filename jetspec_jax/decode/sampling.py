@@ -88,8 +88,10 @@ def sequence_keys(key: jax.Array, batch: int) -> jax.Array:
 
 
 def step_keys(keys: jax.Array, step: jax.Array) -> jax.Array:
-  """Per-sequence keys [B] of one step (0 = prefill, s = the s-th target forward after it)."""
-  return jax.vmap(lambda k: jax.random.fold_in(k, step))(keys)
+  """Per-sequence keys [B] of one step (0 = prefill, s = the s-th target forward after it); ``step`` is
+  one step for all, or [B] (each sequence's own)."""
+  step = jnp.asarray(step)
+  return jax.vmap(jax.random.fold_in, in_axes=(0, 0 if step.ndim else None))(keys, step)
 
 
 def draft_gumbel(round_keys: jax.Array, depth: int, vocab: int) -> jax.Array:

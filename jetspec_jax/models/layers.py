@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Callable
 
+import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -52,17 +53,50 @@ def write_rows(cache: jax.Array, rows: jax.Array, start: jax.Array) -> jax.Array
   return jax.vmap(one)(cache, rows, start.astype(jnp.int32))
 
 
+@flax.struct.dataclass
+class PackedRows:
+  """Where packed rows live in the attention layout: the layers see rows [G, K] (G groups of K rows,
+  e.g. a batch-wide node budget per data shard), attention sees them as [B, W] (B = G * slots_per_group
+  sequences of W rows each). Packed row (g, k) is row ``node[g, k]`` of sequence g * slots_per_group +
+  ``slot[g, k]``; a padding row has slot == slots_per_group (dropped when scattered). Rows of the [B, W]
+  layout no packed row maps to are zeros."""
+  slot: jax.Array                 # [G, K] int32
+  node: jax.Array                 # [G, K] int32
+  slots_per_group: int = flax.struct.field(pytree_node=False)
+  span: int = flax.struct.field(pytree_node=False)
+
+  def scatter(self, x: jax.Array) -> jax.Array:
+    """[G, K, ...] -> [B, W, ...] (zeros where no packed row lands)."""
+    def one(xg, slot, node):
+      out = jnp.zeros((self.slots_per_group, self.span) + xg.shape[1:], xg.dtype)
+      return out.at[slot, node].set(xg, mode="drop")
+    y = jax.vmap(one)(x, self.slot, self.node)
+    return y.reshape((-1,) + y.shape[2:])
+
+  def gather(self, y: jax.Array) -> jax.Array:
+    """[B, W, ...] -> [G, K, ...] (padding rows read row 0 of the group's last slot)."""
+    groups = self.slot.shape[0]
+    y = y.reshape((groups, self.slots_per_group) + y.shape[1:])
+    slot = jnp.minimum(self.slot, self.slots_per_group - 1)
+    return jax.vmap(lambda yg, s, n: yg[s, n])(y, slot, self.node)
+
+
 def cached_attention(kv: tuple[jax.Array, jax.Array] | None, start: jax.Array | None, block_mask: jax.Array, *,
-                     impl: str = "xla", mesh=None) -> Attend:
+                     impl: str = "xla", mesh=None, packed: PackedRows | None = None) -> Attend:
   """``attend`` for T new rows over one layer's cache ``kv`` = (k, v) [B, Hkv, S, Dh]: their keys are
   written at rows start[b] + t, and they see rows < start[b] plus the new rows ``block_mask`` [B, T, T]
   allows (``jetspec_jax.attention``). It returns the updated (k, v). With ``kv`` None (training, no
-  cache) the rows see only each other and nothing is kept."""
+  cache) the rows see only each other and nothing is kept. ``packed``: the rows arrive packed as
+  [G, K] (``PackedRows``) and attend in the [B, W] layout (T = W), the result packed again."""
   def attend(q, k, v):
     if kv is None:
       return attention(q, k, v, jnp.zeros((q.shape[0],), jnp.int32), block_mask, impl=impl, mesh=mesh), None
+    if packed is not None:
+      q = packed.scatter(q)
+      k, v = (packed.scatter(x.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3) for x in (k, v))
     k_cache, v_cache = write_rows(kv[0], k, start), write_rows(kv[1], v, start)
-    return attention(q, k_cache, v_cache, start, block_mask, impl=impl, mesh=mesh), (k_cache, v_cache)
+    out = attention(q, k_cache, v_cache, start, block_mask, impl=impl, mesh=mesh)
+    return (out if packed is None else packed.gather(out)), (k_cache, v_cache)
   return attend
 
 

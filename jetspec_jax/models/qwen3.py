@@ -23,7 +23,7 @@ from flax import nnx
 
 from jetspec_jax.config import Qwen3Config
 from jetspec_jax.models import params as P
-from jetspec_jax.models.layers import MLP, Attention, DecoderLayer, RMSNorm, cached_attention
+from jetspec_jax.models.layers import MLP, Attention, DecoderLayer, PackedRows, RMSNorm, cached_attention
 from jetspec_jax.models.moe import MoE
 from jetspec_jax.sharding import named_sharding, shard
 
@@ -88,7 +88,7 @@ class Qwen3(nnx.Module):
 
   def hidden(self, tokens: jax.Array, positions: jax.Array, block_mask: jax.Array, *, cache: KVCache | None = None,
              prefix_len: jax.Array | None = None, tap_layers: tuple[int, ...] = (), rows: jax.Array | None = None,
-             attn_impl: str = "xla", mesh=None):
+             attn_impl: str = "xla", mesh=None, packed: PackedRows | None = None):
     """Run T new rows through the decoder layers.
 
     tokens, positions [B, T] int32 (positions: RoPE positions); block_mask [B, T, T]; cache: KV cache
@@ -96,6 +96,8 @@ class Qwen3(nnx.Module):
     other only; prefix_len unused). ``rows`` [B, R] selects which rows come out (default all).
     Returns (final-normed hidden states [B, R, H], new cache or None, taps [B, T, len(tap_layers) * H]
     or None), taps being the residual outputs (before the final norm) of the chosen layers, in order.
+    ``packed`` (``layers.PackedRows``): tokens and positions are packed rows [G, K] that attend in the
+    cache's [B, W] layout (block_mask [B, W, W], prefix_len [B]); everything returned stays packed.
     """
     with jax.named_scope("embedding"):
       x = shard(self.embed_tokens(tokens), ("batch", "seq", "embed"), mesh)
@@ -103,7 +105,7 @@ class Qwen3(nnx.Module):
     for i, layer in enumerate(self.layers):
       kv = None if cache is None else (cache.k[i], cache.v[i])
       with jax.named_scope(f"layer_{i}"):
-        x, kept = layer(x, positions, cached_attention(kv, prefix_len, block_mask, impl=attn_impl, mesh=mesh), mesh)
+        x, kept = layer(x, positions, cached_attention(kv, prefix_len, block_mask, impl=attn_impl, mesh=mesh, packed=packed), mesh)
       if kept is not None:
         new_k.append(kept[0])
         new_v.append(kept[1])

@@ -1,0 +1,623 @@
+"""The engine: continuous batching over B slots inside one jitted ``lax.while_loop``.
+
+Requests wait in a device-resident queue (per group: a ring of Q entries holding prompt ids,
+``max_new_tokens`` and a PRNG key). Every round:
+
+  1. admit: each free slot takes the next queued request of its group (no host round-trip);
+  2. rows: a prefilling slot offers its next prompt rows (at most ``prefill_rows``), a decoding slot
+     its root (the newest committed token) and, speculative, the nodes of its drafted tree;
+  3. budget: per group, the ``rows / groups`` rows of highest priority are packed and verified in ONE
+     target forward: every decoding slot's root first, then prompt rows, then tree nodes by
+     calibrated cumulative draft log-probability (``decode.budget``), so the round's node budget is
+     shared by the whole batch and spent where acceptance is likeliest. A kept node's parents and
+     lower-ranked siblings are kept too, so every slot verifies a smaller tree of the same kind;
+  4. accept and commit (greedy or sampled, as ``decode.verify``); a slot whose prompt is complete
+     draws its first token; a finished slot's tokens go to its request's output row and the slot
+     is freed for the next round.
+
+The packed rows [G, K] go through the dense layers; attention sees them in the caches' [B, W]
+layout (``models.layers.PackedRows``), so a round's dense cost is K rows whatever the slots hold.
+Groups are the unit of sharding: slots, queues and packed rows of group g live on data shard
+g (G a multiple of the mesh's data axis), and a round moves nothing between shards.
+
+Invariants per slot b holding a request (see ``decode.speculative`` for the speculative ones):
+  prefilling: prefix_len[b] < prompt_len[b] prompt rows are in the cache, num_tokens[b] = 0;
+  decoding: prefix_len[b] = prompt_len[b] + num_tokens[b] - 1 and ``last_token`` is not yet cached.
+A request's greedy tokens equal its own AR generation whatever the other slots hold; its sampled
+tokens draw from fold_in(key, step) exactly as ``decode.loop`` / ``decode.speculative`` do.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Sequence
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jetspec_jax.config import Qwen3Config
+from jetspec_jax.decode import budget, sampling, verify
+from jetspec_jax.decode.loop import commit_tokens
+from jetspec_jax.decode.speculative import TreeConfig, build_round_tree, observe_ranks
+from jetspec_jax.errors import JetSpecError
+from jetspec_jax.models import draft_head, qwen3
+from jetspec_jax.models.draft_head import DraftConfig
+from jetspec_jax.models.layers import PackedRows
+from jetspec_jax.sharding import per_data_shard
+
+EMPTY, QUEUED, RUNNING, FINISHED = 0, 1, 2, 3     # queue entry status
+KEY_SHAPE = jax.random.key_data(jax.random.key(0)).shape
+
+
+@dataclasses.dataclass(frozen=True)
+class EnginePlan:
+  """What is static in an engine program.
+
+  slots B and rows K (packed rows verified per round, the batch-wide node budget, roots and prompt
+  rows included) are split evenly over ``groups``; each group needs K/G >= B/G + 1 so every decoding
+  slot verifies its root and a prompt always advances. ``prefill_rows``: most prompt rows one slot
+  prefills per round. ``max_prompt`` / ``max_new_tokens``: a slot's capacity; ``queue``: ring entries
+  per group. ``tree`` None: plain AR decoding (no draft head)."""
+  slots: int
+  rows: int
+  prefill_rows: int
+  max_prompt: int
+  max_new_tokens: int
+  queue: int
+  groups: int = 1
+  tree: TreeConfig | None = None
+
+  @property
+  def nodes(self) -> int:
+    """Tree nodes per slot N (1 for AR: the root)."""
+    return 1 if self.tree is None else self.tree.num_nodes()
+
+  @property
+  def span(self) -> int:
+    """Rows per slot in the attention layout W."""
+    return max(self.prefill_rows, self.nodes)
+
+  @property
+  def depth(self) -> int:
+    return 0 if self.tree is None else self.tree.depth
+
+  @property
+  def group_rows(self) -> int:
+    """Rows packed per group and round: rows / groups, at most every row its slots can offer."""
+    return min(self.rows // self.groups, self.slots // self.groups * self.span)
+
+  def cache_lengths(self, head_cfg: DraftConfig | None) -> tuple[int, int]:
+    """(target, draft) cache rows per slot: a full request plus one round's scratch rows."""
+    committed = self.max_prompt + self.max_new_tokens
+    draft = 0 if head_cfg is None else committed + max(head_cfg.block_size, self.span)
+    return committed + self.span, draft
+
+  def validate(self, mesh=None) -> None:
+    g = self.groups
+    if min(self.slots, self.rows, self.prefill_rows, self.max_prompt, self.max_new_tokens, self.queue, g) < 1:
+      raise JetSpecError(f"every engine size must be at least 1: {self}")
+    if self.slots % g or self.rows % g:
+      raise JetSpecError(f"slots ({self.slots}) and rows ({self.rows}) must split evenly over {g} groups")
+    if self.rows // g < self.slots // g + 1:
+      raise JetSpecError(f"{self.rows} rows for {self.slots} slots: each group needs at least one row per slot "
+                         f"plus one, so use rows >= {self.slots + g}")
+    if mesh is not None and g % mesh.shape["data"]:
+      raise JetSpecError(f"{g} engine groups do not split over the mesh's data axis of {mesh.shape['data']}")
+
+
+@flax.struct.dataclass
+class Queue:
+  """Requests and their outputs per group g and entry q. QUEUED entries are admitted in order of their
+  sequence numbers; rounds are the engine's round counter."""
+  prompt: jax.Array        # [G, Q, T] int32
+  prompt_len: jax.Array    # [G, Q]
+  max_new: jax.Array       # [G, Q]
+  key: jax.Array           # [G, Q, 2] uint32 PRNG key data (``jax.random.key_data``)
+  status: jax.Array        # [G, Q] EMPTY | QUEUED | RUNNING | FINISHED
+  seq: jax.Array           # [G, Q] admission order
+  tokens: jax.Array        # [G, Q, M] generated ids, -1 past num_tokens
+  num_tokens: jax.Array    # [G, Q]
+  steps: jax.Array         # [G, Q] decode rounds the request took part in (after its first token)
+  depth_hist: jax.Array    # [G, Q, D+1] rounds that accepted exactly d draft tokens
+  admitted: jax.Array      # [G, Q] round it took a slot
+  first: jax.Array         # [G, Q] round its first token was drawn
+  finished: jax.Array      # [G, Q] round it finished
+
+
+@flax.struct.dataclass
+class EngineState:
+  """The loop state: the queue, B slots and the round counters (see the module docstring)."""
+  queue: Queue
+  entry: jax.Array         # [B] queue entry of the slot's request (-1: free)
+  prompt_len: jax.Array    # [B]
+  max_new: jax.Array       # [B]
+  key: jax.Array           # [B, 2] uint32 key data
+  prefix_len: jax.Array    # [B]
+  last_token: jax.Array    # [B]
+  tokens: jax.Array        # [B, M]
+  num_tokens: jax.Array    # [B]
+  steps: jax.Array         # [B]
+  cache: qwen3.KVCache
+  draft_cache: qwen3.KVCache | None
+  depth_hist: jax.Array    # [B, D+1]
+  rank_hits: jax.Array     # [B, D, W'] (online calibration; W' = the tree's candidates)
+  rank_mass: jax.Array     # [B, D, W']
+  round: jax.Array         # [] rounds run
+  busy: jax.Array          # [] slot-rounds that held a request
+
+
+def init_state(plan: EnginePlan, cfg: Qwen3Config, head_cfg: DraftConfig | None, cache_dtype, draft_dtype,
+               mesh=None) -> EngineState:
+  """An empty engine: free slots, an empty queue, zeroed caches (created in their shardings)."""
+  g, q, b, m, t = plan.groups, plan.queue, plan.slots, plan.max_new_tokens, plan.max_prompt
+  d = plan.depth
+  w = 1 if plan.tree is None else plan.tree.num_candidates
+  target_len, draft_len = plan.cache_lengths(head_cfg)
+  zi = lambda *shape: jnp.zeros(shape, jnp.int32)
+  queue = Queue(prompt=zi(g, q, t), prompt_len=zi(g, q), max_new=zi(g, q),
+                key=jnp.zeros((g, q) + KEY_SHAPE, jnp.uint32), status=zi(g, q), seq=zi(g, q),
+                tokens=jnp.full((g, q, m), -1, jnp.int32), num_tokens=zi(g, q), steps=zi(g, q),
+                depth_hist=zi(g, q, d + 1), admitted=zi(g, q), first=zi(g, q), finished=zi(g, q))
+  draft_cache = None if head_cfg is None else draft_head.init_context_cache(head_cfg, b, draft_len, draft_dtype, mesh)
+  state = EngineState(queue=queue, entry=jnp.full((b,), -1, jnp.int32), prompt_len=zi(b), max_new=zi(b),
+                      key=jnp.zeros((b,) + KEY_SHAPE, jnp.uint32), prefix_len=zi(b), last_token=zi(b),
+                      tokens=jnp.full((b, m), -1, jnp.int32), num_tokens=zi(b), steps=zi(b),
+                      cache=qwen3.init_cache(cfg, b, target_len, cache_dtype, mesh), draft_cache=draft_cache,
+                      depth_hist=zi(b, d + 1), rank_hits=zi(b, d, w), rank_mass=jnp.zeros((b, d, w), jnp.float32),
+                      round=jnp.zeros((), jnp.int32), busy=jnp.zeros((), jnp.int32))
+  return place(state, mesh)
+
+
+def place(state: EngineState, mesh=None) -> EngineState:
+  """Groups' queues and the slots over the mesh's data axis (caches are created sharded)."""
+  if mesh is None:
+    return state
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  data = NamedSharding(mesh, P("data"))
+  put = lambda x: jax.device_put(x, data)
+  queue = jax.tree.map(put, state.queue)
+  small = {f: put(getattr(state, f)) for f in ("entry", "prompt_len", "max_new", "key", "prefix_len", "last_token",
+                                               "tokens", "num_tokens", "steps", "depth_hist", "rank_hits",
+                                               "rank_mass")}
+  return state.replace(queue=queue, **small)
+
+
+@functools.partial(jax.jit, donate_argnames=("state",))
+def enqueue(state: EngineState, group: jax.Array, entry: jax.Array, seq: jax.Array, prompt: jax.Array,
+            prompt_len: jax.Array, max_new: jax.Array, key: jax.Array) -> EngineState:
+  """Queue requests [R] at (group, entry) [R] (EMPTY entries: the caller's to choose) with sequence numbers
+  seq [R] (admission order), prompt [R, T], prompt_len, max_new [R] and key data [R, 2]."""
+  q = state.queue
+  at = lambda a, v: a.at[group, entry].set(v)
+  queue = q.replace(prompt=at(q.prompt, prompt), prompt_len=at(q.prompt_len, prompt_len),
+                    max_new=at(q.max_new, max_new), key=at(q.key, key), status=at(q.status, QUEUED),
+                    seq=at(q.seq, seq), tokens=at(q.tokens, -1), num_tokens=at(q.num_tokens, 0))
+  return state.replace(queue=queue)
+
+
+@functools.partial(jax.jit, donate_argnames=("state",))
+def release(state: EngineState, group: jax.Array, entry: jax.Array) -> EngineState:
+  """Mark collected FINISHED entries EMPTY so the ring can reuse them."""
+  return state.replace(queue=state.queue.replace(status=state.queue.status.at[group, entry].set(EMPTY)))
+
+
+def _admit(s: EngineState, plan: EnginePlan, mesh=None) -> EngineState:
+  """Give each free slot the queued request of its group with the lowest sequence number (per group,
+  vmapped: a group's slots read only its own queue)."""
+  g, per = plan.groups, plan.slots // plan.groups
+  lowest = jnp.iinfo(jnp.int32).min
+
+  def group(q: Queue, entry):
+    free = entry < 0
+    best, waiting = jax.lax.top_k(jnp.where(q.status == QUEUED, -q.seq, lowest), min(per, plan.queue))
+    rank = jnp.cumsum(free) - 1
+    ok = free & (rank < best.shape[0])
+    rank = jnp.minimum(rank, best.shape[0] - 1)
+    admit = ok & (best[rank] > lowest)
+    new_entry = waiting[rank]
+    dropped = jnp.where(admit, new_entry, plan.queue)                     # out of range: not written
+    q = q.replace(status=q.status.at[dropped].set(RUNNING, mode="drop"),
+                  admitted=q.admitted.at[dropped].set(s.round, mode="drop"))
+    return q, admit, new_entry, (q.prompt_len[new_entry], q.max_new[new_entry], q.key[new_entry])
+
+  queue, admit, new_entry, (plen, max_new, key) = per_data_shard(jax.vmap(group), mesh)(s.queue,
+                                                                                        s.entry.reshape(g, per))
+  fresh = admit.reshape(-1)
+  pick = lambda new, old: jnp.where(fresh.reshape((-1,) + (1,) * (old.ndim - 1)), new.reshape(old.shape), old)
+  zero = lambda x: pick(jnp.zeros_like(x), x)
+  return s.replace(queue=queue, entry=pick(new_entry, s.entry), prompt_len=pick(plen, s.prompt_len),
+                   max_new=pick(max_new, s.max_new), key=pick(key, s.key),
+                   prefix_len=zero(s.prefix_len), num_tokens=zero(s.num_tokens), steps=zero(s.steps),
+                   tokens=pick(jnp.full_like(s.tokens, -1), s.tokens), depth_hist=zero(s.depth_hist),
+                   rank_hits=zero(s.rank_hits), rank_mass=zero(s.rank_mass))
+
+
+def _prompt_rows(s: EngineState, plan: EnginePlan) -> jax.Array:
+  """Each slot's next W prompt ids [B, W] (from its queue entry, clipped at the prompt's width)."""
+  g, per = plan.groups, plan.slots // plan.groups
+  cols = jnp.clip(s.prefix_len[:, None] + jnp.arange(plan.span)[None, :], 0, plan.max_prompt - 1)
+  rows = jax.vmap(lambda prompt, e, c: prompt[e[:, None], c])(
+      s.queue.prompt, jnp.maximum(s.entry, 0).reshape(g, per), cols.reshape(g, per, plan.span))
+  return rows.reshape(plan.slots, plan.span)
+
+
+def _finish(q: Queue, plan: EnginePlan, finished, completes, entry, round_, **values) -> Queue:
+  """Per group: finished slots' ``values`` ([B, ...]: tokens, num_tokens, steps, depth_hist) into their
+  queue entries (status FINISHED, round), and the first-token round of prompts completed this round."""
+  g, per = plan.groups, plan.slots // plan.groups
+  by_group = lambda x: x.reshape((g, per) + x.shape[1:])
+
+  def group(q: Queue, fin, first, vals):
+    put = lambda a, v: a.at[fin].set(v, mode="drop")
+    return q.replace(status=put(q.status, FINISHED), finished=put(q.finished, round_),
+                     first=q.first.at[first].set(round_, mode="drop"),
+                     **{k: put(getattr(q, k), v) for k, v in vals.items()})
+
+  fin = by_group(jnp.where(finished, entry, plan.queue))
+  first = by_group(jnp.where(completes, entry, plan.queue))
+  return jax.vmap(group)(q, fin, first, {k: by_group(v) for k, v in values.items()})
+
+
+def _pad(x: jax.Array, width: int, fill) -> jax.Array:
+  """Pad axis 1 of x to ``width`` with ``fill``."""
+  pad = [(0, 0)] * x.ndim
+  pad[1] = (0, width - x.shape[1])
+  return jnp.pad(x, pad, constant_values=fill)
+
+
+def engine_round(target_params, head_params, s: EngineState, *, plan: EnginePlan, cfg: Qwen3Config,
+                 head_cfg: DraftConfig | None, eos_ids: tuple[int, ...], temperature: float, top_k: int,
+                 top_p: float, accept: str, attn_impl, mesh) -> EngineState:
+  """One round of every slot: admit, draft, pack, verify, accept, commit, finish (module docstring)."""
+  s = _admit(s, plan, mesh)
+  tree_cfg = plan.tree
+  b, w, n, d = plan.slots, plan.span, plan.nodes, plan.depth
+  per, k_per = plan.slots // plan.groups, plan.group_rows
+  target = qwen3.bind(cfg, target_params)
+  held = s.entry >= 0
+  prefilling = held & (s.prefix_len < s.prompt_len)
+  decoding = held & ~prefilling
+  col = jnp.arange(w)[None, :]
+  keys = jax.random.wrap_key_data(s.key)
+  step_keys = sampling.step_keys(keys, s.steps + 1)
+
+  # Rows each slot offers, in the [B, W] attention layout.
+  if tree_cfg is None:
+    dec_tokens = _pad(s.last_token[:, None], w, 0)
+    dec_pos = s.prefix_len[:, None] + jnp.zeros((1, w), jnp.int32)
+    dec_mask = jnp.broadcast_to(jnp.eye(w, dtype=bool), (b, w, w))
+    dec_priority = jnp.where(col == 0, budget.ROOT, -jnp.inf)
+  else:
+    with jax.named_scope("jetspec_draft"):
+      head = draft_head.bind(head_cfg, head_params)
+      depth_logits, draft_cache = head.draft_logits(target, s.draft_cache, s.prefix_len, s.last_token, d,
+                                                    attn_impl, mesh)
+    with jax.named_scope("jetspec_tree"):
+      def tree_and_scores(anchor, logits, round_keys, hits, mass):
+        tree, draft_logp = build_round_tree(anchor, logits, round_keys, tree_cfg, temperature=temperature,
+                                            top_k=top_k, top_p=top_p, accept=accept, counts=(hits, mass))
+        # The shape's log-probs (sorted top-W): with the rejection rule the tree holds sampled tokens, and what
+        # a round keeps must not depend on which were drawn.
+        shape_logp = (tree.candidate_logp if draft_logp is None or accept == "match"
+                      else jax.lax.top_k(draft_logp, tree_cfg.num_candidates)[0])
+        return tree, draft_logp, budget.node_scores(tree, budget.rank_scores(shape_logp, tree_cfg, (hits, mass)))
+
+      tree, draft_logp, scores = per_data_shard(tree_and_scores, mesh)(s.last_token, depth_logits, step_keys,
+                                                                       s.rank_hits, s.rank_mass)
+    dec_tokens = _pad(tree.tokens, w, 0)
+    dec_pos = s.prefix_len[:, None] + _pad(tree.depths, w, 0)
+    dec_mask = jnp.pad(tree.ancestors, ((0, 0), (0, w - n), (0, w - n))) | jnp.eye(w, dtype=bool)
+    dec_priority = _pad(jnp.where(tree.valid, jnp.where(jnp.arange(n) == 0, budget.ROOT, scores), -jnp.inf),
+                        w, -jnp.inf)
+  remaining = s.prompt_len - s.prefix_len
+  prompt_take = col < jnp.minimum(remaining, plan.prefill_rows)[:, None]
+  pf = prefilling[:, None]
+  tokens = jnp.where(pf, _prompt_rows(s, plan), dec_tokens)
+  positions = jnp.where(pf, s.prefix_len[:, None] + col, dec_pos)
+  priority = jnp.where(pf, jnp.where(prompt_take, budget.PROMPT - col, -jnp.inf),
+                       jnp.where(decoding[:, None], dec_priority, -jnp.inf))
+  causal = jnp.tril(jnp.ones((w, w), bool))
+  mask = jnp.where(pf[:, :, None], causal, dec_mask)
+
+  # The batch-wide budget: each group's K/G best rows.
+  with jax.named_scope("jetspec_budget"):
+    packed, live, index = per_data_shard(functools.partial(budget.pack, rows=k_per, slots_per_group=per, span=w),
+                                         mesh)(priority.reshape(plan.groups, per * w))
+    chosen = packed.scatter(live[..., None])[..., 0]                      # [B, W]
+    mask = (mask & chosen[:, None, :]) | jnp.eye(w, dtype=bool)[None]
+    gather_packed = lambda x: jnp.take_along_axis(x.reshape(plan.groups, per * w), index, axis=1)
+
+  with jax.named_scope("jetspec_verify"):
+    taps_at = () if tree_cfg is None else head_cfg.target_layer_ids
+    h, cache, taps = target.hidden(gather_packed(tokens), gather_packed(positions), mask, cache=s.cache,
+                                   prefix_len=s.prefix_len, tap_layers=taps_at, attn_impl=attn_impl, mesh=mesh,
+                                   packed=packed)
+    logits = target.logits(h)                                               # [G, K, V]
+  # Row r of the [B, W] layout -> its packed row (for logits; unchosen rows read packed row 0).
+  row_of = packed.scatter(jnp.broadcast_to(jnp.arange(k_per, dtype=jnp.int32), live.shape)[..., None])[..., 0]
+
+  def row_logits(cols):                                                     # cols [B, R] -> [B, R, V]
+    rows = jnp.take_along_axis(row_of, cols, axis=1).reshape(plan.groups, per, -1)
+    out = jax.vmap(lambda lg, r: lg[r])(logits, rows)
+    return out.reshape((b,) + out.shape[2:])
+
+  greedy = temperature == 0.0
+  if greedy:
+    next_att = packed.scatter(jnp.argmax(logits, axis=-1).astype(jnp.int32)[..., None])[..., 0]   # [B, W]
+
+  with jax.named_scope("jetspec_accept"):
+    # Prompts completed this round draw their first token from the last prompt row.
+    consumed = jnp.where(prefilling, jnp.sum(chosen, axis=1), 0)
+    completes = prefilling & (s.prefix_len + consumed >= s.prompt_len)
+    last_row = jnp.clip(s.prompt_len - 1 - s.prefix_len, 0, w - 1)[:, None]
+    if greedy:
+      first = jnp.take_along_axis(next_att, last_row, axis=1)[:, 0]
+    else:
+      first = sampling.sample_tokens(row_logits(last_row)[:, 0], sampling.step_keys(keys, 0), temperature,
+                                     top_k, top_p)
+    if tree_cfg is None:
+      if greedy:
+        new = next_att[:, :1]
+      else:
+        new = sampling.sample_tokens(row_logits(jnp.zeros((b, 1), jnp.int32)), step_keys[:, None], temperature,
+                                     top_k, top_p)
+      count = jnp.ones((b,), jnp.int32)
+      correction = new[:, 0]
+    else:
+      tree = tree.replace(valid=tree.valid & chosen[:, :n])
+      if greedy:
+        acc = verify.greedy_accept(tree, next_att[:, :n], d)
+      else:
+        acc = verify.sample_accept(tree, row_logits(jnp.broadcast_to(jnp.arange(n), (b, n))),
+                                   draft_logp if accept == "rejection" else None, step_keys, rule=accept,
+                                   max_depth=d, width=tree_cfg.num_candidates, temperature=temperature,
+                                   top_k=top_k, top_p=top_p)
+      new, count = verify.accepted_tokens(tree, acc)
+      correction = acc.correction
+
+  with jax.named_scope("jetspec_commit"):
+    out, num, done_dec, appended = commit_tokens(s.tokens, s.num_tokens, ~decoding, new, count, eos_ids, s.max_new)
+    out, num, done_first, _ = commit_tokens(out, num, ~completes, first[:, None], jnp.ones((b,), jnp.int32),
+                                            eos_ids, s.max_new)
+    finished = (decoding & done_dec) | (completes & done_first)
+    prefix_len = s.prefix_len + jnp.where(decoding, appended, consumed)
+    last_token = jnp.where(decoding, correction, jnp.where(completes, first, s.last_token))
+    steps = s.steps + decoding.astype(jnp.int32)
+    depth_hist, rank_hits, rank_mass, draft_out = s.depth_hist, s.rank_hits, s.rank_mass, None
+    if tree_cfg is not None:
+      path = jnp.where(decoding[:, None], acc.path, jnp.arange(d + 1)[None, :])
+      cache = verify.compact_cache(cache, s.prefix_len, path)
+      ctx_rows = jnp.where(decoding[:, None], _pad(path, w, 0), col)
+      ctx_rows = jnp.where(decoding[:, None] & (col > d), path[:, -1:], ctx_rows)
+      taps_att = packed.scatter(taps)                                       # [B, W, F]
+      draft_out = head.append_context(draft_cache, jnp.take_along_axis(taps_att, ctx_rows[:, :, None], axis=1),
+                                      s.prefix_len)
+      depth_hist = depth_hist + jax.nn.one_hot(acc.depth, d + 1, dtype=jnp.int32) * decoding[:, None]
+      _, hits, mass = observe_ranks(tree, acc, new, decoding)
+      rank_hits, rank_mass = rank_hits + hits, rank_mass + mass
+    else:
+      depth_hist = depth_hist + decoding[:, None].astype(jnp.int32)
+
+  # Finished slots hand their tokens to the queue and free themselves.
+  queue = _finish(s.queue, plan, finished, completes, s.entry, s.round, tokens=out, num_tokens=num, steps=steps,
+                  depth_hist=depth_hist)
+  return s.replace(queue=queue, entry=jnp.where(finished, -1, s.entry), prefix_len=prefix_len, last_token=last_token,
+                   tokens=out, num_tokens=num, steps=steps, cache=cache, draft_cache=draft_out,
+                   depth_hist=depth_hist, rank_hits=rank_hits, rank_mass=rank_mass, round=s.round + 1,
+                   busy=s.busy + jnp.sum(held).astype(jnp.int32))
+
+
+def pending(s: EngineState) -> jax.Array:
+  """[] bool: a slot holds a request or one is queued."""
+  return jnp.any(s.entry >= 0) | jnp.any(s.queue.status == QUEUED)
+
+
+@functools.partial(jax.jit, static_argnames=("plan", "cfg", "head_cfg", "eos_ids", "temperature", "top_k", "top_p",
+                                             "accept", "attn_impl", "mesh"),
+                   donate_argnames=("state",))
+def run_rounds(target_params, head_params, state: EngineState, max_rounds: jax.Array, *, plan: EnginePlan,
+               cfg: Qwen3Config, head_cfg: DraftConfig | None, eos_ids: tuple[int, ...], temperature: float = 0.0,
+               top_k: int = 0, top_p: float = 1.0, accept: str = "rejection", attn_impl="xla",
+               mesh=None) -> EngineState:
+  """Rounds until no request is pending or ``max_rounds`` (a traced int: one program serves offline
+  runs and segments) more have run; the state is donated."""
+  stop = state.round + max_rounds
+  body = functools.partial(engine_round, target_params, head_params, plan=plan, cfg=cfg, head_cfg=head_cfg,
+                           eos_ids=eos_ids, temperature=temperature, top_k=top_k, top_p=top_p, accept=accept,
+                           attn_impl=attn_impl, mesh=mesh)
+  return jax.lax.while_loop(lambda s: pending(s) & (s.round < stop), body, state)
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+  """One generation request: prompt ids and how many tokens it may generate. ``key``: its PRNG key
+  (None: fold_in(key(seed), request id), as ``decode.sampling.sequence_keys`` gives batch row b)."""
+  prompt: Sequence[int]
+  max_new_tokens: int
+  key: jax.Array | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestResult:
+  """What the engine produced for one request. steps: decode rounds after its first token;
+  depth_histogram [D+1]: those rounds by accepted draft tokens (AR: [steps]); admitted / first /
+  finished: the engine rounds at which it took a slot, drew its first token and finished."""
+  id: int
+  tokens: list[int]
+  steps: int
+  depth_histogram: np.ndarray
+  admitted: int
+  first: int
+  finished: int
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineRun:
+  """An offline run: per-request results (in request order), rounds, slot-rounds that held a request,
+  and wall time (the first run of a plan includes compilation)."""
+  results: list[RequestResult]
+  rounds: int
+  busy_slot_rounds: int
+  slots: int
+  wall_s: float
+
+  @property
+  def occupancy(self) -> float:
+    """Slot-rounds that held a request over all slot-rounds."""
+    return self.busy_slot_rounds / max(self.rounds * self.slots, 1)
+
+
+class Engine:
+  """Continuous batching over ``plan.slots`` slots (AR without a head, speculative with ``head_cfg``,
+  ``head_params`` and ``plan.tree``). Offline: ``run(requests)``. Segmented: ``submit`` requests, then
+  ``step(rounds)`` runs at most that many rounds on device (state donated) and returns the requests
+  that finished; a host may submit more between steps."""
+
+  def __init__(self, target_cfg: Qwen3Config, target_params: dict, plan: EnginePlan, *,
+               head_cfg: DraftConfig | None = None, head_params: dict | None = None,
+               sampling_cfg=None, eos_ids: Sequence[int] | None = None, attn_impl="xla", mesh=None,
+               cache_dtype=None):
+    from jetspec_jax.decode.generation import SamplingConfig
+    from jetspec_jax.decode.loop import resolve_eos
+    if (head_cfg is None) != (plan.tree is None):
+      raise JetSpecError("a speculative engine needs both a draft head and a tree (plan.tree); AR needs neither")
+    plan.validate(mesh)
+    if head_cfg is not None:
+      plan.tree.validate(head_cfg)
+      head_cfg.validate(target_cfg)
+    self.cfg, self.params, self.plan = target_cfg, target_params, plan
+    self.head_cfg, self.head_params = head_cfg, head_params
+    self.sampling = (sampling_cfg or SamplingConfig()).resolved()
+    self.eos = resolve_eos(target_cfg, eos_ids)
+    self.attn_impl, self.mesh = attn_impl, mesh
+    self.cache_dtype = cache_dtype or target_params["embed"].dtype
+    self.state = None
+    self._next_id = 0
+    self._entries: list[dict[int, int]] = []        # per group: entry -> outstanding request id
+
+  @classmethod
+  def for_requests(cls, target_cfg: Qwen3Config, target_params: dict, requests: Sequence[Request], *, slots: int,
+                   rows: int | None = None, prefill_rows: int = 64, groups: int = 1, tree: TreeConfig | None = None,
+                   **kw) -> "Engine":
+    """An engine whose slot capacity fits ``requests`` (rows default: one per slot plus ``prefill_rows``)."""
+    check_requests(requests, target_cfg)
+    plan = EnginePlan(slots=slots, rows=rows or slots + prefill_rows, prefill_rows=prefill_rows,
+                      max_prompt=max(len(r.prompt) for r in requests),
+                      max_new_tokens=max(r.max_new_tokens for r in requests),
+                      queue=-(-len(requests) // groups), groups=groups, tree=tree)
+    return cls(target_cfg, target_params, plan, **kw)
+
+  @property
+  def speculative(self) -> bool:
+    return self.head_cfg is not None
+
+  def start(self) -> None:
+    """A fresh engine state: free slots, empty queues."""
+    draft_dtype = None if self.head_params is None else self.head_params["fc"].dtype
+    self.state = init_state(self.plan, self.cfg, self.head_cfg, self.cache_dtype, draft_dtype, self.mesh)
+    self._entries = [dict() for _ in range(self.plan.groups)]
+    self._next_id = 0
+
+  def submit(self, requests: Sequence[Request]) -> list[int]:
+    """Queue requests (each to the group with the fewest outstanding); returns their ids. Refuses, in
+    one sentence and before queueing any, a request that does not fit a slot or a full queue."""
+    if self.state is None:
+      self.start()
+    check_requests(requests, self.cfg, self.plan)
+    groups, entries, ids = [], [], []
+    taken = [set(e) for e in self._entries]
+    for i, _ in enumerate(requests):
+      g = min(range(self.plan.groups), key=lambda j: (len(taken[j]), j))
+      if len(taken[g]) >= self.plan.queue:
+        raise JetSpecError(f"the engine's queue is full ({self.plan.queue} requests per group); step it to let "
+                           f"requests finish, or build it with a larger queue")
+      e = min(set(range(self.plan.queue)) - taken[g])
+      taken[g].add(e)
+      groups.append(g)
+      entries.append(e)
+      ids.append(self._next_id + i)
+    seed = jax.random.key(self.sampling.seed)
+    prompt = np.zeros((len(requests), self.plan.max_prompt), np.int32)
+    for i, r in enumerate(requests):
+      prompt[i, :len(r.prompt)] = r.prompt
+    keys = jnp.stack([jax.random.key_data(r.key if r.key is not None else jax.random.fold_in(seed, rid))
+                      for r, rid in zip(requests, ids)])
+    self.state = enqueue(self.state, jnp.asarray(groups, jnp.int32), jnp.asarray(entries, jnp.int32),
+                         jnp.asarray(ids, jnp.int32), jnp.asarray(prompt),
+                         jnp.asarray([len(r.prompt) for r in requests], jnp.int32),
+                         jnp.asarray([r.max_new_tokens for r in requests], jnp.int32), keys)
+    for g, e, rid in zip(groups, entries, ids):
+      self._entries[g][e] = rid
+    self._next_id += len(requests)
+    return ids
+
+  def _run_kwargs(self) -> dict:
+    s = self.sampling
+    return dict(plan=self.plan, cfg=self.cfg, head_cfg=self.head_cfg, eos_ids=self.eos, temperature=s.temperature,
+                top_k=s.top_k, top_p=s.top_p, accept=s.accept, attn_impl=self.attn_impl, mesh=self.mesh)
+
+  def lower(self, rounds: int = 1 << 30) -> jax.stages.Lowered:
+    """The program ``step`` runs, lowered (neither run nor donated)."""
+    if self.state is None:
+      self.start()
+    return run_rounds.lower(self.params, self.head_params, self.state, jnp.int32(rounds), **self._run_kwargs())
+
+  def step(self, rounds: int = 1 << 30) -> list[RequestResult]:
+    """Run at most ``rounds`` rounds (until nothing is pending); returns the requests finished since the
+    last step, their queue entries freed for new requests."""
+    if self.state is None:
+      self.start()
+    self.state = run_rounds(self.params, self.head_params, self.state, jnp.int32(rounds), **self._run_kwargs())
+    status = np.asarray(self.state.queue.status)
+    done = [(g, e) for g in range(self.plan.groups) for e in np.flatnonzero(status[g] == FINISHED)
+            if e in self._entries[g]]
+    if not done:
+      return []
+    q = self.state.queue
+    g_idx, e_idx = jnp.asarray([g for g, _ in done]), jnp.asarray([e for _, e in done])
+    fetched = jax.device_get([a[g_idx, e_idx] for a in (q.tokens, q.num_tokens, q.steps, q.depth_hist, q.admitted,
+                                                         q.first, q.finished)])
+    tokens, num, steps, hist, admitted, first, finished = fetched
+    out = []
+    for i, (g, e) in enumerate(done):
+      out.append(RequestResult(id=self._entries[g].pop(e), tokens=tokens[i, :num[i]].tolist(), steps=int(steps[i]),
+                               depth_histogram=hist[i], admitted=int(admitted[i]), first=int(first[i]),
+                               finished=int(finished[i])))
+    self.state = release(self.state, g_idx, e_idx)
+    return out
+
+  def run(self, requests: Sequence[Request]) -> EngineRun:
+    """All requests through a fresh engine in one device loop; results in request order."""
+    self.start()
+    t0 = time.perf_counter()
+    ids = self.submit(requests)
+    results = {r.id: r for r in self.step()}
+    wall = time.perf_counter() - t0
+    rounds, busy = (int(x) for x in jax.device_get((self.state.round, self.state.busy)))
+    return EngineRun(results=[results[i] for i in ids], rounds=rounds, busy_slot_rounds=busy, slots=self.plan.slots,
+                     wall_s=wall)
+
+
+def check_requests(requests: Sequence[Request], cfg: Qwen3Config, plan: EnginePlan | None = None) -> None:
+  """Refuse, in one sentence naming the request, one that cannot run: an empty prompt, a token id outside
+  the vocabulary, max_new_tokens < 1, longer than the model's context, or larger than a slot (``plan``)."""
+  if not requests:
+    raise JetSpecError("no requests to run")
+  for i, r in enumerate(requests):
+    n = len(r.prompt)
+    if n == 0:
+      raise JetSpecError(f"request {i} has an empty prompt")
+    if int(r.max_new_tokens) != r.max_new_tokens or r.max_new_tokens < 1:
+      raise JetSpecError(f"request {i}: max_new_tokens must be a positive integer, got {r.max_new_tokens}")
+    bad = [t for t in r.prompt if not 0 <= int(t) < cfg.vocab_size]
+    if bad:
+      raise JetSpecError(f"request {i}: token id {bad[0]} is outside the vocabulary (0..{cfg.vocab_size - 1})")
+    if n + r.max_new_tokens > cfg.max_position_embeddings:
+      raise JetSpecError(f"request {i}: a prompt of {n} tokens plus {r.max_new_tokens} new tokens exceeds the "
+                         f"model's context of {cfg.max_position_embeddings} positions")
+    if plan is not None and (n > plan.max_prompt or r.max_new_tokens > plan.max_new_tokens):
+      raise JetSpecError(f"request {i}: a prompt of {n} tokens with max_new_tokens {r.max_new_tokens} does not fit "
+                         f"a slot (at most {plan.max_prompt} prompt tokens and {plan.max_new_tokens} new tokens)")
