@@ -45,28 +45,28 @@ def check_lossless(run, requests, eos):
 PROFILE = AcceptanceProfile.from_counts([100, 60, 30, 10], [[40, 15, 5], [30, 10, 4], [15, 5, 2], [5, 2, 1]],
                                         [[50, 10, 5], [35, 8, 4], [20, 4, 2], [8, 2, 1]])
 CASES = [
-    # (tree or None, slots, rows, prefill_rows, eos): rows < slots * nodes cut trees (the batch-wide budget)
-    (None, 1, 9, 8, ()),
-    (None, 4, 12, 8, EOS),
-    (None, 3, 4, 5, ()),                                         # one spare row: prompts advance one row a round
-    (TreeConfig("best_nodes", 16, 3, 4), 4, 12, 8, ()),
-    (TreeConfig("best_nodes", 16, 3, 4), 4, 70, 8, EOS),
-    (TreeConfig("accum_logp", 8, 3, 4), 3, 20, 8, EOS),
-    (TreeConfig("top2gap", 16, 3, 4), 2, 16, 6, ()),
-    (TreeConfig("chain", 1, 1, 4), 4, 14, 8, EOS),
-    (TreeConfig("rank_caps", 8, 3, 4, profile=PROFILE), 3, 16, 8, ()),
-    (TreeConfig("calibrated", 8, 3, 4, profile=PROFILE, online="sequence"), 3, 16, 8, EOS),
-    (TreeConfig("static", 8, 3, 4, profile=PROFILE), 2, 12, 8, ()),
+    # (tree or None, slots, rows, lanes, prefill_rows, eos): rows < slots * nodes cut trees (the batch-wide budget)
+    (None, 1, 1, 1, 8, ()),
+    (None, 4, 4, 2, 8, EOS),
+    (None, 3, 3, 1, 5, ()),
+    (TreeConfig("best_nodes", 16, 3, 4), 4, 12, 1, 8, ()),
+    (TreeConfig("best_nodes", 16, 3, 4), 4, 64, 2, 16, EOS),
+    (TreeConfig("accum_logp", 8, 3, 4), 3, 12, 1, 8, EOS),
+    (TreeConfig("top2gap", 16, 3, 4), 2, 16, 1, 6, ()),
+    (TreeConfig("chain", 1, 1, 4), 4, 14, 2, 8, EOS),
+    (TreeConfig("rank_caps", 8, 3, 4, profile=PROFILE), 3, 16, 1, 3, ()),
+    (TreeConfig("calibrated", 8, 3, 4, profile=PROFILE, online="sequence"), 3, 16, 3, 8, EOS),
+    (TreeConfig("static", 8, 3, 4, profile=PROFILE), 2, 12, 1, 8, ()),
 ]
 
 
-@pytest.mark.parametrize("tree,slots,rows,prefill_rows,eos", CASES,
+@pytest.mark.parametrize("tree,slots,rows,lanes,prefill_rows,eos", CASES,
                          ids=lambda x: getattr(x, "method", None) or str(x))
-def test_every_request_equals_its_own_ar_generation(tree, slots, rows, prefill_rows, eos):
+def test_every_request_equals_its_own_ar_generation(tree, slots, rows, lanes, prefill_rows, eos):
   requests = random_requests(slots * 7 + rows, 9)
   kw = {} if tree is None else dict(head_cfg=head()[0], head_params=head()[1])
-  engine = Engine.for_requests(CFG, target(), requests, slots=slots, rows=rows, prefill_rows=prefill_rows, tree=tree,
-                               eos_ids=eos, **kw)
+  engine = Engine.for_requests(CFG, target(), requests, slots=slots, rows=rows, lanes=lanes,
+                               prefill_rows=prefill_rows, tree=tree, eos_ids=eos, **kw)
   run = engine.run(requests)
   check_lossless(run, requests, eos)
   assert run.busy_slot_rounds <= run.rounds * slots and 0 < run.occupancy <= 1
@@ -77,7 +77,7 @@ def test_segments_lose_and_repeat_nothing():
   exactly once, equal to its AR generation, and a full queue is refused in one sentence."""
   requests = random_requests(11, 14)
   hcfg, hparams = head()
-  plan = EnginePlan(slots=3, rows=24, prefill_rows=8, max_prompt=40, max_new_tokens=24, queue=4,
+  plan = EnginePlan(slots=3, rows=12, lanes=1, prefill_rows=8, max_prompt=40, max_new_tokens=24, queue=4,
                     tree=TreeConfig("best_nodes", 8, 3, 4))
   engine = Engine(CFG, target(), plan, head_cfg=hcfg, head_params=hparams, eos_ids=EOS)
   engine.start()
@@ -97,7 +97,7 @@ def test_segments_lose_and_repeat_nothing():
 
 
 def test_requests_that_cannot_run_are_refused_before_the_run():
-  plan = EnginePlan(slots=2, rows=4, prefill_rows=4, max_prompt=8, max_new_tokens=4, queue=4)
+  plan = EnginePlan(slots=2, rows=2, lanes=1, prefill_rows=4, max_prompt=8, max_new_tokens=4, queue=4)
   engine = Engine(CFG, target(), plan)
   for bad, match in [(Request([1] * 9, 2), r"request 1: a prompt of 9 tokens .* does not fit a slot"),
                      (Request([1, 2], 5), "does not fit a slot"), (Request([], 2), "request 1 has an empty prompt"),
@@ -106,8 +106,9 @@ def test_requests_that_cannot_run_are_refused_before_the_run():
     with pytest.raises(JetSpecError, match=match):
       engine.submit([Request([1], 1), bad])
   assert engine.step() == []                                 # nothing was queued
-  with pytest.raises(JetSpecError, match="rows >= 5"):
-    Engine(CFG, target(), EnginePlan(slots=4, rows=4, prefill_rows=4, max_prompt=8, max_new_tokens=4, queue=4))
+  with pytest.raises(JetSpecError, match="rows >= 4"):
+    Engine(CFG, target(), EnginePlan(slots=4, rows=3, lanes=1, prefill_rows=4, max_prompt=8, max_new_tokens=4,
+                                     queue=4))
   with pytest.raises(JetSpecError, match="exceeds the model's context"):
     Engine.for_requests(CFG, target(), [Request([1] * 8, CFG.max_position_embeddings)], slots=1)
 
@@ -115,7 +116,7 @@ def test_requests_that_cannot_run_are_refused_before_the_run():
 @pytest.mark.parametrize("speculative_mode", [False, True], ids=["ar", "speculative"])
 def test_no_host_transfer_inside_the_engine_loop(speculative_mode):
   kw = dict(head_cfg=head()[0], head_params=head()[1]) if speculative_mode else {}
-  plan = EnginePlan(slots=2, rows=10, prefill_rows=8, max_prompt=16, max_new_tokens=8, queue=4,
+  plan = EnginePlan(slots=2, rows=10, lanes=1, prefill_rows=8, max_prompt=16, max_new_tokens=8, queue=4,
                     tree=TreeConfig("best_nodes", 8, 3, 4) if speculative_mode else None)
   text = Engine(CFG, target(), plan, **kw).lower().compile().as_text()
   assert "while" in text and not HOST_OPS.findall(text)
@@ -131,7 +132,8 @@ def test_a_2x2_mesh_equals_one_device(eight_devices):
   requests = random_requests(5, 10)
   hcfg, hparams = head()
   tree = TreeConfig("best_nodes", 8, 3, 4)
-  make = lambda mesh, t, h: Engine.for_requests(CFG, t, requests, slots=4, rows=20, prefill_rows=8, groups=2,
+  make = lambda mesh, t, h: Engine.for_requests(CFG, t, requests, slots=4, rows=20, lanes=2, prefill_rows=8,
+                                                groups=2,
                                                 tree=tree, head_cfg=hcfg, head_params=h, eos_ids=EOS, mesh=mesh)
   ref = make(None, target(), hparams).run(requests)
   mesh = sharding.make_mesh(2, 2, jax.devices()[:4])
@@ -147,7 +149,7 @@ def test_a_round_moves_nothing_between_data_shards(eight_devices):
   """On a data-only mesh the compiled engine holds one collective: the loop predicate's all-reduce."""
   hcfg, hparams = head()
   mesh = sharding.make_mesh(4, 1, jax.devices()[:4])
-  plan = EnginePlan(slots=8, rows=40, prefill_rows=8, max_prompt=16, max_new_tokens=8, queue=4, groups=4,
+  plan = EnginePlan(slots=8, rows=40, lanes=4, prefill_rows=8, max_prompt=16, max_new_tokens=8, queue=4, groups=4,
                     tree=TreeConfig("best_nodes", 8, 3, 4))
   engine = Engine(CFG, placed(target(), qwen3.param_specs(CFG), mesh), plan, head_cfg=hcfg,
                   head_params=placed(hparams, draft_head.param_specs(hcfg), mesh), mesh=mesh)
@@ -169,14 +171,14 @@ SAMPLED = [
                          ids=lambda x: getattr(x, "method", None) or str(x))
 def test_sampling_is_exact_under_continuous_batching(accept, tree, temperature, top_k, top_p):
   """3,000 requests of one prompt with uneven max_new_tokens through 500 slots (slots reused in varying
-  order, the prompt prefilled in two rounds, trees cut by a budget of 1.5 rows per slot): the first four
+  order, the prompt prefilled in two rounds by 50 lanes, trees cut by a budget of 1.5 rows per slot): the first four
   tokens follow the target's exact distribution (chi-square, as the static loop's test)."""
   hcfg, hparams = test_sampling.head()
   n = 3000
   requests = [Request(test_sampling.PROMPT, 4 + i % 3) for i in range(n)]
   kw = {} if tree is None else dict(head_cfg=hcfg, head_params=hparams)
   engine = Engine.for_requests(test_sampling.CFG, test_sampling.target(), requests, slots=500, rows=750,
-                               prefill_rows=2, tree=tree, eos_ids=(),
+                               lanes=50, prefill_rows=2, tree=tree, eos_ids=(),
                                sampling_cfg=SamplingConfig(temperature, top_k, top_p, accept, seed=3), **kw)
   run = engine.run(requests)
   tokens = np.asarray([r.tokens[:4] for r in run.results])

@@ -19,7 +19,6 @@ import jax
 import jax.numpy as jnp
 
 from jetspec_jax.decode.tree import Tree, calibrated_scores
-from jetspec_jax.models.layers import PackedRows
 
 ROOT = 2.0e7       # priority of a decoding slot's root
 PROMPT = 1.0e7     # priority of prompt row 0 (row i: PROMPT - i; exact in float32 for i < 2**23)
@@ -57,9 +56,8 @@ def node_scores(tree: Tree, table: jax.Array) -> jax.Array:
 
 def pack(priority: jax.Array, rows: int, slots_per_group: int, span: int):
   """Each group's ``rows`` best offered rows. priority [G, S * W] (slot-major; -inf: not offered).
-  Returns (PackedRows, live [G, K] bool, flat index [G, K] into the slot-major layout)."""
+  Returns [G, K] arrays: slot (``slots_per_group`` for padding), node, live, and the flat slot-major index."""
   best, index = jax.lax.top_k(priority, rows)
   live = best > -jnp.inf
-  packed = PackedRows(slot=jnp.where(live, index // span, slots_per_group).astype(jnp.int32),
-                      node=(index % span).astype(jnp.int32), slots_per_group=slots_per_group, span=span)
-  return packed, live, index
+  return (jnp.where(live, index // span, slots_per_group).astype(jnp.int32), (index % span).astype(jnp.int32), live,
+          index)

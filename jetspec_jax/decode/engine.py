@@ -1,23 +1,24 @@
 """The engine: continuous batching over B slots inside one jitted ``lax.while_loop``.
 
-Requests wait in a device-resident queue (per group: a ring of Q entries holding prompt ids,
-``max_new_tokens`` and a PRNG key). Every round:
+Requests wait in a device-resident queue (per group: Q entries holding prompt ids,
+``max_new_tokens`` and a PRNG key, admitted in order of their sequence numbers). Every round:
 
   1. admit: each free slot takes the next queued request of its group (no host round-trip);
-  2. rows: a prefilling slot offers its next prompt rows (at most ``prefill_rows``), a decoding slot
-     its root (the newest committed token) and, speculative, the nodes of its drafted tree;
-  3. budget: per group, the ``rows / groups`` rows of highest priority are packed and verified in ONE
-     target forward: every decoding slot's root first, then prompt rows, then tree nodes by
-     calibrated cumulative draft log-probability (``decode.budget``), so the round's node budget is
-     shared by the whole batch and spent where acceptance is likeliest. A kept node's parents and
-     lower-ranked siblings are kept too, so every slot verifies a smaller tree of the same kind;
-  4. accept and commit (greedy or sampled, as ``decode.verify``); a slot whose prompt is complete
-     draws its first token; a finished slot's tokens go to its request's output row and the slot
-     is freed for the next round.
+  2. prefill lanes: each of L lanes per group takes a prefilling slot (oldest request first) and
+     runs its next C = ``prefill_rows`` prompt rows, causally, over that slot's cache rows;
+  3. budget: a decoding slot offers its root (the newest committed token) and, speculative, the
+     nodes of its drafted tree; per group the ``rows / groups`` best are kept: every root, then tree
+     nodes by calibrated cumulative draft log-probability (``decode.budget``), so the round's node
+     budget is shared by the whole batch and spent where acceptance is likeliest. A kept node's
+     parents and lower-ranked siblings are kept too: each slot verifies a smaller tree of its kind;
+  4. ONE target forward over the kept decode rows and the lanes' rows (``models.layers.PackedRows``:
+     the dense layers see K + L * C rows per group, attention sees decode rows in the caches' [B, W]
+     layout and each lane over its own slot's rows);
+  5. accept and commit (greedy or sampled, as ``decode.verify``); a slot whose prompt completed draws
+     its first token; a finished slot's tokens go to its request's output entry and the slot is free
+     for the next round.
 
-The packed rows [G, K] go through the dense layers; attention sees them in the caches' [B, W]
-layout (``models.layers.PackedRows``), so a round's dense cost is K rows whatever the slots hold.
-Groups are the unit of sharding: slots, queues and packed rows of group g live on data shard
+Groups are the unit of sharding: slots, queues, lanes and packed rows of group g live on data shard
 g (G a multiple of the mesh's data axis), and a round moves nothing between shards.
 
 Invariants per slot b holding a request (see ``decode.speculative`` for the speculative ones):
@@ -45,7 +46,7 @@ from jetspec_jax.decode.speculative import TreeConfig, build_round_tree, observe
 from jetspec_jax.errors import JetSpecError
 from jetspec_jax.models import draft_head, qwen3
 from jetspec_jax.models.draft_head import DraftConfig
-from jetspec_jax.models.layers import PackedRows
+from jetspec_jax.models.layers import PackedRows, write_rows
 from jetspec_jax.sharding import per_data_shard
 
 EMPTY, QUEUED, RUNNING, FINISHED = 0, 1, 2, 3     # queue entry status
@@ -56,13 +57,13 @@ KEY_SHAPE = jax.random.key_data(jax.random.key(0)).shape
 class EnginePlan:
   """What is static in an engine program.
 
-  slots B and rows K (packed rows verified per round, the batch-wide node budget, roots and prompt
-  rows included) are split evenly over ``groups``; each group needs K/G >= B/G + 1 so every decoding
-  slot verifies its root and a prompt always advances. ``prefill_rows``: most prompt rows one slot
-  prefills per round. ``max_prompt`` / ``max_new_tokens``: a slot's capacity; ``queue``: ring entries
-  per group. ``tree`` None: plain AR decoding (no draft head)."""
+  slots B, rows K (decode rows verified per round: the batch-wide node budget, roots included) and
+  prefill lanes L are split evenly over ``groups``; K/G >= B/G so every decoding slot verifies its root.
+  ``prefill_rows`` C: prompt rows a lane runs per round. ``max_prompt`` / ``max_new_tokens``: a slot's
+  capacity; ``queue``: entries per group. ``tree`` None: plain AR decoding (no draft head)."""
   slots: int
   rows: int
+  lanes: int
   prefill_rows: int
   max_prompt: int
   max_new_tokens: int
@@ -76,34 +77,32 @@ class EnginePlan:
     return 1 if self.tree is None else self.tree.num_nodes()
 
   @property
-  def span(self) -> int:
-    """Rows per slot in the attention layout W."""
-    return max(self.prefill_rows, self.nodes)
-
-  @property
   def depth(self) -> int:
     return 0 if self.tree is None else self.tree.depth
 
   @property
   def group_rows(self) -> int:
-    """Rows packed per group and round: rows / groups, at most every row its slots can offer."""
-    return min(self.rows // self.groups, self.slots // self.groups * self.span)
+    """Decode rows kept per group and round: rows / groups, at most all its slots' nodes."""
+    return min(self.rows // self.groups, self.slots // self.groups * self.nodes)
 
   def cache_lengths(self, head_cfg: DraftConfig | None) -> tuple[int, int]:
     """(target, draft) cache rows per slot: a full request plus one round's scratch rows."""
     committed = self.max_prompt + self.max_new_tokens
-    draft = 0 if head_cfg is None else committed + max(head_cfg.block_size, self.span)
-    return committed + self.span, draft
+    scratch = max(self.nodes, self.prefill_rows)
+    draft = 0 if head_cfg is None else committed + max(head_cfg.block_size, scratch)
+    return committed + scratch, draft
 
   def validate(self, mesh=None) -> None:
     g = self.groups
-    if min(self.slots, self.rows, self.prefill_rows, self.max_prompt, self.max_new_tokens, self.queue, g) < 1:
+    if min(self.slots, self.rows, self.lanes, self.prefill_rows, self.max_prompt, self.max_new_tokens, self.queue,
+           g) < 1:
       raise JetSpecError(f"every engine size must be at least 1: {self}")
-    if self.slots % g or self.rows % g:
-      raise JetSpecError(f"slots ({self.slots}) and rows ({self.rows}) must split evenly over {g} groups")
-    if self.rows // g < self.slots // g + 1:
-      raise JetSpecError(f"{self.rows} rows for {self.slots} slots: each group needs at least one row per slot "
-                         f"plus one, so use rows >= {self.slots + g}")
+    if self.slots % g or self.rows % g or self.lanes % g:
+      raise JetSpecError(f"slots ({self.slots}), rows ({self.rows}) and lanes ({self.lanes}) must split evenly "
+                         f"over {g} groups")
+    if self.rows < self.slots:
+      raise JetSpecError(f"{self.rows} rows for {self.slots} slots: every slot needs a row for its root, so use "
+                         f"rows >= {self.slots}")
     if mesh is not None and g % mesh.shape["data"]:
       raise JetSpecError(f"{g} engine groups do not split over the mesh's data axis of {mesh.shape['data']}")
 
@@ -132,6 +131,7 @@ class EngineState:
   """The loop state: the queue, B slots and the round counters (see the module docstring)."""
   queue: Queue
   entry: jax.Array         # [B] queue entry of the slot's request (-1: free)
+  seq: jax.Array           # [B] its sequence number (prefill lanes serve the oldest first)
   prompt_len: jax.Array    # [B]
   max_new: jax.Array       # [B]
   key: jax.Array           # [B, 2] uint32 key data
@@ -162,7 +162,7 @@ def init_state(plan: EnginePlan, cfg: Qwen3Config, head_cfg: DraftConfig | None,
                 tokens=jnp.full((g, q, m), -1, jnp.int32), num_tokens=zi(g, q), steps=zi(g, q),
                 depth_hist=zi(g, q, d + 1), admitted=zi(g, q), first=zi(g, q), finished=zi(g, q))
   draft_cache = None if head_cfg is None else draft_head.init_context_cache(head_cfg, b, draft_len, draft_dtype, mesh)
-  state = EngineState(queue=queue, entry=jnp.full((b,), -1, jnp.int32), prompt_len=zi(b), max_new=zi(b),
+  state = EngineState(queue=queue, entry=jnp.full((b,), -1, jnp.int32), seq=zi(b), prompt_len=zi(b), max_new=zi(b),
                       key=jnp.zeros((b,) + KEY_SHAPE, jnp.uint32), prefix_len=zi(b), last_token=zi(b),
                       tokens=jnp.full((b, m), -1, jnp.int32), num_tokens=zi(b), steps=zi(b),
                       cache=qwen3.init_cache(cfg, b, target_len, cache_dtype, mesh), draft_cache=draft_cache,
@@ -179,7 +179,7 @@ def place(state: EngineState, mesh=None) -> EngineState:
   data = NamedSharding(mesh, P("data"))
   put = lambda x: jax.device_put(x, data)
   queue = jax.tree.map(put, state.queue)
-  small = {f: put(getattr(state, f)) for f in ("entry", "prompt_len", "max_new", "key", "prefix_len", "last_token",
+  small = {f: put(getattr(state, f)) for f in ("entry", "seq", "prompt_len", "max_new", "key", "prefix_len", "last_token",
                                                "tokens", "num_tokens", "steps", "depth_hist", "rank_hits",
                                                "rank_mass")}
   return state.replace(queue=queue, **small)
@@ -221,27 +221,39 @@ def _admit(s: EngineState, plan: EnginePlan, mesh=None) -> EngineState:
     dropped = jnp.where(admit, new_entry, plan.queue)                     # out of range: not written
     q = q.replace(status=q.status.at[dropped].set(RUNNING, mode="drop"),
                   admitted=q.admitted.at[dropped].set(s.round, mode="drop"))
-    return q, admit, new_entry, (q.prompt_len[new_entry], q.max_new[new_entry], q.key[new_entry])
+    return q, admit, new_entry, (q.prompt_len[new_entry], q.max_new[new_entry], q.key[new_entry], q.seq[new_entry])
 
-  queue, admit, new_entry, (plen, max_new, key) = per_data_shard(jax.vmap(group), mesh)(s.queue,
+  queue, admit, new_entry, (plen, max_new, key, seq) = per_data_shard(jax.vmap(group), mesh)(s.queue,
                                                                                         s.entry.reshape(g, per))
   fresh = admit.reshape(-1)
   pick = lambda new, old: jnp.where(fresh.reshape((-1,) + (1,) * (old.ndim - 1)), new.reshape(old.shape), old)
   zero = lambda x: pick(jnp.zeros_like(x), x)
-  return s.replace(queue=queue, entry=pick(new_entry, s.entry), prompt_len=pick(plen, s.prompt_len),
+  return s.replace(queue=queue, entry=pick(new_entry, s.entry), seq=pick(seq, s.seq), prompt_len=pick(plen, s.prompt_len),
                    max_new=pick(max_new, s.max_new), key=pick(key, s.key),
                    prefix_len=zero(s.prefix_len), num_tokens=zero(s.num_tokens), steps=zero(s.steps),
                    tokens=pick(jnp.full_like(s.tokens, -1), s.tokens), depth_hist=zero(s.depth_hist),
                    rank_hits=zero(s.rank_hits), rank_mass=zero(s.rank_mass))
 
 
-def _prompt_rows(s: EngineState, plan: EnginePlan) -> jax.Array:
-  """Each slot's next W prompt ids [B, W] (from its queue entry, clipped at the prompt's width)."""
-  g, per = plan.groups, plan.slots // plan.groups
-  cols = jnp.clip(s.prefix_len[:, None] + jnp.arange(plan.span)[None, :], 0, plan.max_prompt - 1)
-  rows = jax.vmap(lambda prompt, e, c: prompt[e[:, None], c])(
-      s.queue.prompt, jnp.maximum(s.entry, 0).reshape(g, per), cols.reshape(g, per, plan.span))
-  return rows.reshape(plan.slots, plan.span)
+def _lanes(s: EngineState, plan: EnginePlan, prefilling: jax.Array, mesh) -> tuple[jax.Array, jax.Array]:
+  """Each group's prefill lanes: the prefilling slots of its L/G oldest requests. Returns (lane slot
+  [G, L/G] within the group, slots_per_group for an idle lane; prompt rows [G * L/G, C] from each lane's
+  slot's queue entry and prompt position)."""
+  g, per, lanes = plan.groups, plan.slots // plan.groups, plan.lanes // plan.groups
+  lowest = jnp.iinfo(jnp.int32).min
+
+  def group(q: Queue, waiting, seq, entry, prefix):
+    best, slot = jax.lax.top_k(jnp.where(waiting, -seq, lowest), min(lanes, per))
+    slot = jnp.where(best > lowest, slot, per)
+    slot = jnp.pad(slot, (0, lanes - slot.shape[0]), constant_values=per)
+    at = jnp.minimum(slot, per - 1)
+    cols = jnp.clip(prefix[at][:, None] + jnp.arange(plan.prefill_rows)[None, :], 0, plan.max_prompt - 1)
+    return slot.astype(jnp.int32), q.prompt[jnp.maximum(entry[at], 0)[:, None], cols]
+
+  by_group = lambda x: x.reshape(g, per)
+  slot, rows = per_data_shard(jax.vmap(group), mesh)(s.queue, by_group(prefilling), by_group(s.seq),
+                                                     by_group(s.entry), by_group(s.prefix_len))
+  return slot, rows.reshape(plan.lanes, plan.prefill_rows)
 
 
 def _finish(q: Queue, plan: EnginePlan, finished, completes, entry, round_, **values) -> Queue:
@@ -261,35 +273,26 @@ def _finish(q: Queue, plan: EnginePlan, finished, completes, entry, round_, **va
   return jax.vmap(group)(q, fin, first, {k: by_group(v) for k, v in values.items()})
 
 
-def _pad(x: jax.Array, width: int, fill) -> jax.Array:
-  """Pad axis 1 of x to ``width`` with ``fill``."""
-  pad = [(0, 0)] * x.ndim
-  pad[1] = (0, width - x.shape[1])
-  return jnp.pad(x, pad, constant_values=fill)
-
-
 def engine_round(target_params, head_params, s: EngineState, *, plan: EnginePlan, cfg: Qwen3Config,
                  head_cfg: DraftConfig | None, eos_ids: tuple[int, ...], temperature: float, top_k: int,
                  top_p: float, accept: str, attn_impl, mesh) -> EngineState:
   """One round of every slot: admit, draft, pack, verify, accept, commit, finish (module docstring)."""
   s = _admit(s, plan, mesh)
   tree_cfg = plan.tree
-  b, w, n, d = plan.slots, plan.span, plan.nodes, plan.depth
+  b, n, d, c = plan.slots, plan.nodes, plan.depth, plan.prefill_rows
   per, k_per = plan.slots // plan.groups, plan.group_rows
   target = qwen3.bind(cfg, target_params)
   held = s.entry >= 0
   prefilling = held & (s.prefix_len < s.prompt_len)
   decoding = held & ~prefilling
-  col = jnp.arange(w)[None, :]
   keys = jax.random.wrap_key_data(s.key)
   step_keys = sampling.step_keys(keys, s.steps + 1)
 
-  # Rows each slot offers, in the [B, W] attention layout.
+  # Decode rows each slot offers, in the [B, N] attention layout.
   if tree_cfg is None:
-    dec_tokens = _pad(s.last_token[:, None], w, 0)
-    dec_pos = s.prefix_len[:, None] + jnp.zeros((1, w), jnp.int32)
-    dec_mask = jnp.broadcast_to(jnp.eye(w, dtype=bool), (b, w, w))
-    dec_priority = jnp.where(col == 0, budget.ROOT, -jnp.inf)
+    dec_tokens, dec_pos = s.last_token[:, None], s.prefix_len[:, None]
+    dec_mask = jnp.ones((b, 1, 1), bool)
+    priority = jnp.where(decoding, budget.ROOT, -jnp.inf)[:, None]
   else:
     with jax.named_scope("jetspec_draft"):
       head = draft_head.bind(head_cfg, head_params)
@@ -307,71 +310,67 @@ def engine_round(target_params, head_params, s: EngineState, *, plan: EnginePlan
 
       tree, draft_logp, scores = per_data_shard(tree_and_scores, mesh)(s.last_token, depth_logits, step_keys,
                                                                        s.rank_hits, s.rank_mass)
-    dec_tokens = _pad(tree.tokens, w, 0)
-    dec_pos = s.prefix_len[:, None] + _pad(tree.depths, w, 0)
-    dec_mask = jnp.pad(tree.ancestors, ((0, 0), (0, w - n), (0, w - n))) | jnp.eye(w, dtype=bool)
-    dec_priority = _pad(jnp.where(tree.valid, jnp.where(jnp.arange(n) == 0, budget.ROOT, scores), -jnp.inf),
-                        w, -jnp.inf)
-  remaining = s.prompt_len - s.prefix_len
-  prompt_take = col < jnp.minimum(remaining, plan.prefill_rows)[:, None]
-  pf = prefilling[:, None]
-  tokens = jnp.where(pf, _prompt_rows(s, plan), dec_tokens)
-  positions = jnp.where(pf, s.prefix_len[:, None] + col, dec_pos)
-  priority = jnp.where(pf, jnp.where(prompt_take, budget.PROMPT - col, -jnp.inf),
-                       jnp.where(decoding[:, None], dec_priority, -jnp.inf))
-  causal = jnp.tril(jnp.ones((w, w), bool))
-  mask = jnp.where(pf[:, :, None], causal, dec_mask)
+    dec_tokens, dec_pos, dec_mask = tree.tokens, s.prefix_len[:, None] + tree.depths, tree.ancestors
+    node_priority = jnp.where(tree.valid, jnp.where(jnp.arange(n) == 0, budget.ROOT, scores), -jnp.inf)
+    priority = jnp.where(decoding[:, None], node_priority, -jnp.inf)
 
-  # The batch-wide budget: each group's K/G best rows.
   with jax.named_scope("jetspec_budget"):
-    packed, live, index = per_data_shard(functools.partial(budget.pack, rows=k_per, slots_per_group=per, span=w),
-                                         mesh)(priority.reshape(plan.groups, per * w))
-    chosen = packed.scatter(live[..., None])[..., 0]                      # [B, W]
-    mask = (mask & chosen[:, None, :]) | jnp.eye(w, dtype=bool)[None]
-    gather_packed = lambda x: jnp.take_along_axis(x.reshape(plan.groups, per * w), index, axis=1)
+    pack = functools.partial(budget.pack, rows=k_per, slots_per_group=per, span=n)
+    slot, node, live, index = per_data_shard(pack, mesh)(priority.reshape(plan.groups, per * n))
+    lane_slot, lane_tokens = _lanes(s, plan, prefilling, mesh)
+    packed = PackedRows(slot=slot, node=node, lane_slot=lane_slot,
+                        lane_start=jnp.zeros_like(lane_slot), slots_per_group=per, span=n, lane_rows=c)
+    packed = packed.replace(lane_start=packed.lane_sequences(s.prefix_len).reshape(lane_slot.shape))
+    chosen = packed.scatter(live[..., None])[..., 0]                                   # [B, N]
+    mask = (dec_mask & chosen[:, None, :]) | jnp.eye(n, dtype=bool)[None]
+    flat_rows = lambda x: jnp.take_along_axis(x.reshape(plan.groups, per * n), index, axis=1)
+    lane_pos = packed.lane_start.reshape(-1)[:, None] + jnp.arange(c)[None, :]
+    join = lambda dec_rows, lane_rows: jnp.concatenate([dec_rows, lane_rows.reshape(plan.groups, -1)], axis=1)
 
   with jax.named_scope("jetspec_verify"):
     taps_at = () if tree_cfg is None else head_cfg.target_layer_ids
-    h, cache, taps = target.hidden(gather_packed(tokens), gather_packed(positions), mask, cache=s.cache,
-                                   prefix_len=s.prefix_len, tap_layers=taps_at, attn_impl=attn_impl, mesh=mesh,
-                                   packed=packed)
-    logits = target.logits(h)                                               # [G, K, V]
-  # Row r of the [B, W] layout -> its packed row (for logits; unchosen rows read packed row 0).
-  row_of = packed.scatter(jnp.broadcast_to(jnp.arange(k_per, dtype=jnp.int32), live.shape)[..., None])[..., 0]
-
-  def row_logits(cols):                                                     # cols [B, R] -> [B, R, V]
-    rows = jnp.take_along_axis(row_of, cols, axis=1).reshape(plan.groups, per, -1)
-    out = jax.vmap(lambda lg, r: lg[r])(logits, rows)
-    return out.reshape((b,) + out.shape[2:])
+    h, cache, taps = target.hidden(join(flat_rows(dec_tokens), lane_tokens), join(flat_rows(dec_pos), lane_pos),
+                                   mask, cache=s.cache, prefix_len=s.prefix_len, tap_layers=taps_at,
+                                   attn_impl=attn_impl, mesh=mesh, packed=packed)
+    h_dec, h_lane = packed.split(h)
+    logits = target.logits(h_dec)                                                      # [G, K, V]
+    # A lane's prompt rows this round, and the last one's logits (its slot's first token if the prompt ends).
+    lane_remaining = packed.lane_sequences(s.prompt_len) - packed.lane_start.reshape(-1)
+    lane_live = packed.lane_slot.reshape(-1) < per
+    lane_take = jnp.where(lane_live, jnp.minimum(lane_remaining, c), 0)
+    lane_last = jnp.take_along_axis(h_lane, jnp.maximum(lane_take - 1, 0)[:, None, None], axis=1)[:, 0]
+    lane_logits = target.logits(lane_last)                                             # [G * L, V]
 
   greedy = temperature == 0.0
-  if greedy:
-    next_att = packed.scatter(jnp.argmax(logits, axis=-1).astype(jnp.int32)[..., None])[..., 0]   # [B, W]
-
   with jax.named_scope("jetspec_accept"):
-    # Prompts completed this round draw their first token from the last prompt row.
-    consumed = jnp.where(prefilling, jnp.sum(chosen, axis=1), 0)
-    completes = prefilling & (s.prefix_len + consumed >= s.prompt_len)
-    last_row = jnp.clip(s.prompt_len - 1 - s.prefix_len, 0, w - 1)[:, None]
+    lane_completes = lane_live & (lane_take == lane_remaining)
+    lane_keys = sampling.step_keys(packed.lane_sequences(keys), 0)
+    lane_first = sampling.sample_tokens(lane_logits, lane_keys, temperature, top_k, top_p)
+    slot_values = lambda v, fill: packed.set_lane_sequences(jnp.full((b,) + v.shape[1:], fill, v.dtype), v)
+    consumed = slot_values(lane_take, 0)
+    completes = slot_values(lane_completes, False)
+    first = slot_values(lane_first, 0)
+    # Row r of the [B, N] layout -> its packed row (for logits; unchosen rows read packed row 0).
+    row_of = packed.scatter(jnp.broadcast_to(jnp.arange(k_per, dtype=jnp.int32), live.shape)[..., None])[..., 0]
+
+    def node_logits(cols):                                                   # cols [B, R] -> [B, R, V]
+      rows = jnp.take_along_axis(row_of, cols, axis=1).reshape(plan.groups, per, -1)
+      out = jax.vmap(lambda lg, r: lg[r])(logits, rows)
+      return out.reshape((b,) + out.shape[2:])
+
     if greedy:
-      first = jnp.take_along_axis(next_att, last_row, axis=1)[:, 0]
-    else:
-      first = sampling.sample_tokens(row_logits(last_row)[:, 0], sampling.step_keys(keys, 0), temperature,
-                                     top_k, top_p)
+      next_tokens = packed.scatter(jnp.argmax(logits, axis=-1).astype(jnp.int32)[..., None])[..., 0]   # [B, N]
     if tree_cfg is None:
-      if greedy:
-        new = next_att[:, :1]
-      else:
-        new = sampling.sample_tokens(row_logits(jnp.zeros((b, 1), jnp.int32)), step_keys[:, None], temperature,
-                                     top_k, top_p)
+      new = next_tokens if greedy else sampling.sample_tokens(node_logits(jnp.zeros((b, 1), jnp.int32)),
+                                                             step_keys[:, None], temperature, top_k, top_p)
       count = jnp.ones((b,), jnp.int32)
       correction = new[:, 0]
     else:
-      tree = tree.replace(valid=tree.valid & chosen[:, :n])
+      tree = tree.replace(valid=tree.valid & chosen)
       if greedy:
-        acc = verify.greedy_accept(tree, next_att[:, :n], d)
+        acc = verify.greedy_accept(tree, next_tokens, d)
       else:
-        acc = verify.sample_accept(tree, row_logits(jnp.broadcast_to(jnp.arange(n), (b, n))),
+        acc = verify.sample_accept(tree, node_logits(jnp.broadcast_to(jnp.arange(n), (b, n))),
                                    draft_logp if accept == "rejection" else None, step_keys, rule=accept,
                                    max_depth=d, width=tree_cfg.num_candidates, temperature=temperature,
                                    top_k=top_k, top_p=top_p)
@@ -387,19 +386,21 @@ def engine_round(target_params, head_params, s: EngineState, *, plan: EnginePlan
     last_token = jnp.where(decoding, correction, jnp.where(completes, first, s.last_token))
     steps = s.steps + decoding.astype(jnp.int32)
     depth_hist, rank_hits, rank_mass, draft_out = s.depth_hist, s.rank_hits, s.rank_mass, None
-    if tree_cfg is not None:
-      path = jnp.where(decoding[:, None], acc.path, jnp.arange(d + 1)[None, :])
-      cache = verify.compact_cache(cache, s.prefix_len, path)
-      ctx_rows = jnp.where(decoding[:, None], _pad(path, w, 0), col)
-      ctx_rows = jnp.where(decoding[:, None] & (col > d), path[:, -1:], ctx_rows)
-      taps_att = packed.scatter(taps)                                       # [B, W, F]
-      draft_out = head.append_context(draft_cache, jnp.take_along_axis(taps_att, ctx_rows[:, :, None], axis=1),
-                                      s.prefix_len)
+    if tree_cfg is None:
+      depth_hist = depth_hist + decoding[:, None].astype(jnp.int32)
+    else:
+      cache = verify.compact_cache(cache, s.prefix_len, jnp.where(decoding[:, None], acc.path, jnp.arange(d + 1)))
+      taps_dec, taps_lane = packed.split(taps)
+      path_taps = jnp.take_along_axis(packed.scatter(taps_dec), acc.path[:, :, None], axis=1)     # [B, D+1, F]
+      draft_out = head.append_context(draft_cache, path_taps, s.prefix_len)
+      lane_ctx = head.context_kv(taps_lane, lane_pos)                    # per layer [G * L, Hkv, C, Dh]
+      lane_start = packed.lane_start.reshape(-1)
+      write = lambda c_, rows: packed.set_lane_sequences(c_, write_rows(packed.lane_sequences(c_), rows, lane_start))
+      draft_out = qwen3.KVCache(k=tuple(write(c_, k) for c_, (k, _) in zip(draft_out.k, lane_ctx)),
+                                v=tuple(write(c_, v) for c_, (_, v) in zip(draft_out.v, lane_ctx)))
       depth_hist = depth_hist + jax.nn.one_hot(acc.depth, d + 1, dtype=jnp.int32) * decoding[:, None]
       _, hits, mass = observe_ranks(tree, acc, new, decoding)
       rank_hits, rank_mass = rank_hits + hits, rank_mass + mass
-    else:
-      depth_hist = depth_hist + decoding[:, None].astype(jnp.int32)
 
   # Finished slots hand their tokens to the queue and free themselves.
   queue = _finish(s.queue, plan, finished, completes, s.entry, s.round, tokens=out, num_tokens=num, steps=steps,
@@ -500,11 +501,13 @@ class Engine:
 
   @classmethod
   def for_requests(cls, target_cfg: Qwen3Config, target_params: dict, requests: Sequence[Request], *, slots: int,
-                   rows: int | None = None, prefill_rows: int = 64, groups: int = 1, tree: TreeConfig | None = None,
-                   **kw) -> "Engine":
-    """An engine whose slot capacity fits ``requests`` (rows default: one per slot plus ``prefill_rows``)."""
+                   rows: int | None = None, lanes: int | None = None, prefill_rows: int = 32, groups: int = 1,
+                   tree: TreeConfig | None = None, **kw) -> "Engine":
+    """An engine whose slot capacity fits ``requests`` (rows default: every slot's whole tree; lanes: one per
+    group)."""
     check_requests(requests, target_cfg)
-    plan = EnginePlan(slots=slots, rows=rows or slots + prefill_rows, prefill_rows=prefill_rows,
+    nodes = 1 if tree is None else tree.num_nodes()
+    plan = EnginePlan(slots=slots, rows=rows or slots * nodes, lanes=lanes or groups, prefill_rows=prefill_rows,
                       max_prompt=max(len(r.prompt) for r in requests),
                       max_new_tokens=max(r.max_new_tokens for r in requests),
                       queue=-(-len(requests) // groups), groups=groups, tree=tree)

@@ -55,18 +55,22 @@ def write_rows(cache: jax.Array, rows: jax.Array, start: jax.Array) -> jax.Array
 
 @flax.struct.dataclass
 class PackedRows:
-  """Where packed rows live in the attention layout: the layers see rows [G, K] (G groups of K rows,
-  e.g. a batch-wide node budget per data shard), attention sees them as [B, W] (B = G * slots_per_group
-  sequences of W rows each). Packed row (g, k) is row ``node[g, k]`` of sequence g * slots_per_group +
-  ``slot[g, k]``; a padding row has slot == slots_per_group (dropped when scattered). Rows of the [B, W]
-  layout no packed row maps to are zeros."""
+  """Where packed rows live in attention: the layers see rows [G, K + L * C] per group (G groups, e.g. one per
+  data shard). The first K are the group's chosen decode rows, laid out for attention as [B, W] (B = G *
+  slots_per_group sequences of W rows): packed row (g, k) is row ``node[g, k]`` of sequence g *
+  slots_per_group + ``slot[g, k]`` (slot == slots_per_group: padding, dropped). Then L prefill lanes of C =
+  ``lane_rows`` consecutive rows each: lane (g, l) continues sequence ``lane_slot[g, l]`` (slots_per_group:
+  an idle lane) from cache row ``lane_start[g, l]``, causally."""
   slot: jax.Array                 # [G, K] int32
   node: jax.Array                 # [G, K] int32
+  lane_slot: jax.Array            # [G, L] int32
+  lane_start: jax.Array           # [G, L] int32
   slots_per_group: int = flax.struct.field(pytree_node=False)
   span: int = flax.struct.field(pytree_node=False)
+  lane_rows: int = flax.struct.field(pytree_node=False)
 
   def scatter(self, x: jax.Array) -> jax.Array:
-    """[G, K, ...] -> [B, W, ...] (zeros where no packed row lands)."""
+    """Decode rows [G, K, ...] -> [B, W, ...] (zeros where no packed row lands)."""
     def one(xg, slot, node):
       out = jnp.zeros((self.slots_per_group, self.span) + xg.shape[1:], xg.dtype)
       return out.at[slot, node].set(xg, mode="drop")
@@ -74,11 +78,53 @@ class PackedRows:
     return y.reshape((-1,) + y.shape[2:])
 
   def gather(self, y: jax.Array) -> jax.Array:
-    """[B, W, ...] -> [G, K, ...] (padding rows read row 0 of the group's last slot)."""
-    groups = self.slot.shape[0]
-    y = y.reshape((groups, self.slots_per_group) + y.shape[1:])
+    """[B, W, ...] -> decode rows [G, K, ...] (padding rows read row 0 of the group's last slot)."""
+    y = self.by_group(y)
     slot = jnp.minimum(self.slot, self.slots_per_group - 1)
     return jax.vmap(lambda yg, s, n: yg[s, n])(y, slot, self.node)
+
+  def by_group(self, x: jax.Array) -> jax.Array:
+    return x.reshape((self.slot.shape[0], self.slots_per_group) + x.shape[1:])
+
+  def lane_sequences(self, x: jax.Array) -> jax.Array:
+    """Per-sequence values [B, ...] -> the lanes' [G * L, ...] (an idle lane reads the group's last one)."""
+    lane = jnp.minimum(self.lane_slot, self.slots_per_group - 1)
+    out = jax.vmap(lambda xg, i: xg[i])(self.by_group(x), lane)
+    return out.reshape((-1,) + out.shape[2:])
+
+  def set_lane_sequences(self, x: jax.Array, values: jax.Array) -> jax.Array:
+    """Write the lanes' [G * L, ...] back into per-sequence x [B, ...] (idle lanes write nothing)."""
+    groups, lanes = self.lane_slot.shape
+    vals = values.reshape((groups, lanes) + values.shape[1:])
+    out = jax.vmap(lambda xg, i, v: xg.at[i].set(v, mode="drop"))(self.by_group(x), self.lane_slot, vals)
+    return out.reshape(x.shape)
+
+  def split(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Packed [G, K + L * C, ...] -> (decode rows [G, K, ...], lane rows [G * L, C, ...])."""
+    k = self.slot.shape[1]
+    lanes = x[:, k:]
+    return x[:, :k], lanes.reshape((-1, self.lane_rows) + x.shape[2:])
+
+
+def _attend_packed(packed: PackedRows, kv, start, block_mask, q, k, v, impl, mesh):
+  """``cached_attention`` for packed rows: decode rows in the [B, W] layout over the whole cache, then each
+  lane over its sequence's cache rows (gathered, extended, written back)."""
+  heads_last = lambda x: x.transpose(0, 2, 1, 3)                      # [G, Hkv, K, Dh] <-> [G, K, Hkv, Dh]
+  q_d, q_l = packed.split(q)
+  (k_d, k_l), (v_d, v_l) = packed.split(heads_last(k)), packed.split(heads_last(v))
+  k_cache = write_rows(kv[0], heads_last(packed.scatter(k_d)), start)
+  v_cache = write_rows(kv[1], heads_last(packed.scatter(v_d)), start)
+  out = packed.gather(attention(packed.scatter(q_d), k_cache, v_cache, start, block_mask, impl=impl, mesh=mesh))
+  if packed.lane_slot.shape[1]:
+    lane_start = packed.lane_start.reshape(-1)
+    lane_k = write_rows(packed.lane_sequences(k_cache), heads_last(k_l), lane_start)
+    lane_v = write_rows(packed.lane_sequences(v_cache), heads_last(v_l), lane_start)
+    rows = packed.lane_rows
+    causal = jnp.broadcast_to(jnp.tril(jnp.ones((rows, rows), bool)), (q_l.shape[0], rows, rows))
+    lane_out = attention(q_l, lane_k, lane_v, lane_start, causal, impl=impl, mesh=mesh)
+    k_cache, v_cache = packed.set_lane_sequences(k_cache, lane_k), packed.set_lane_sequences(v_cache, lane_v)
+    out = jnp.concatenate([out, lane_out.reshape((out.shape[0], -1) + lane_out.shape[2:])], axis=1)
+  return out, (k_cache, v_cache)
 
 
 def cached_attention(kv: tuple[jax.Array, jax.Array] | None, start: jax.Array | None, block_mask: jax.Array, *,
@@ -86,17 +132,15 @@ def cached_attention(kv: tuple[jax.Array, jax.Array] | None, start: jax.Array | 
   """``attend`` for T new rows over one layer's cache ``kv`` = (k, v) [B, Hkv, S, Dh]: their keys are
   written at rows start[b] + t, and they see rows < start[b] plus the new rows ``block_mask`` [B, T, T]
   allows (``jetspec_jax.attention``). It returns the updated (k, v). With ``kv`` None (training, no
-  cache) the rows see only each other and nothing is kept. ``packed``: the rows arrive packed as
-  [G, K] (``PackedRows``) and attend in the [B, W] layout (T = W), the result packed again."""
+  cache) the rows see only each other and nothing is kept. ``packed``: the rows arrive packed
+  (``PackedRows``; block_mask [B, W, W] for the decode rows) and the result is packed again."""
   def attend(q, k, v):
     if kv is None:
       return attention(q, k, v, jnp.zeros((q.shape[0],), jnp.int32), block_mask, impl=impl, mesh=mesh), None
     if packed is not None:
-      q = packed.scatter(q)
-      k, v = (packed.scatter(x.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3) for x in (k, v))
+      return _attend_packed(packed, kv, start, block_mask, q, k, v, impl, mesh)
     k_cache, v_cache = write_rows(kv[0], k, start), write_rows(kv[1], v, start)
-    out = attention(q, k_cache, v_cache, start, block_mask, impl=impl, mesh=mesh)
-    return (out if packed is None else packed.gather(out)), (k_cache, v_cache)
+    return attention(q, k_cache, v_cache, start, block_mask, impl=impl, mesh=mesh), (k_cache, v_cache)
   return attend
 
 

@@ -96,8 +96,9 @@ class Qwen3(nnx.Module):
     other only; prefix_len unused). ``rows`` [B, R] selects which rows come out (default all).
     Returns (final-normed hidden states [B, R, H], new cache or None, taps [B, T, len(tap_layers) * H]
     or None), taps being the residual outputs (before the final norm) of the chosen layers, in order.
-    ``packed`` (``layers.PackedRows``): tokens and positions are packed rows [G, K] that attend in the
-    cache's [B, W] layout (block_mask [B, W, W], prefix_len [B]); everything returned stays packed.
+    ``packed`` (``layers.PackedRows``): tokens and positions are packed rows [G, K + L * C], decode rows
+    attending in the cache's [B, W] layout (block_mask [B, W, W], prefix_len [B]) and prefill lanes
+    causally; everything returned stays packed.
     """
     with jax.named_scope("embedding"):
       x = shard(self.embed_tokens(tokens), ("batch", "seq", "embed"), mesh)
@@ -105,7 +106,8 @@ class Qwen3(nnx.Module):
     for i, layer in enumerate(self.layers):
       kv = None if cache is None else (cache.k[i], cache.v[i])
       with jax.named_scope(f"layer_{i}"):
-        x, kept = layer(x, positions, cached_attention(kv, prefix_len, block_mask, impl=attn_impl, mesh=mesh, packed=packed), mesh)
+        attend = cached_attention(kv, prefix_len, block_mask, impl=attn_impl, mesh=mesh, packed=packed)
+        x, kept = layer(x, positions, attend, mesh)
       if kept is not None:
         new_k.append(kept[0])
         new_v.append(kept[1])
