@@ -255,6 +255,8 @@ def _status_lines(args):
 
 def cmd_bench(args) -> dict:
   from jetspec_jax import bench
+  if args.load:
+    return _bench_load(args)
   for flag, value in (("--num-prompts", args.num_prompts), ("--prompt-len", args.prompt_len),
                       ("--max-new-tokens", args.max_new_tokens), ("--batch-size", args.batch_size),
                       ("--repeats", args.repeats)):
@@ -282,6 +284,58 @@ def cmd_bench(args) -> dict:
   _emit(args, res, "\n\n".join(f"[{name}]\n{bench.table(r)}" for name, r in results.items())
         + f"\n\nJSON and plots in {os.path.abspath(args.out)}")
   return res
+
+
+def _bench_load(args) -> dict:
+  """``bench --load``: ShareGPT-shaped requests through the engine, AR and speculative, at each request rate."""
+  from jetspec_jax import bench, load
+  from jetspec_jax.decode.engine import Engine, EnginePlan
+  from jetspec_jax.decode.speculative import TreeConfig
+  for flag, value in (("--num-requests", args.num_requests), ("--slots", args.slots),
+                      ("--max-new-tokens", args.max_new_tokens), ("--prefill-rows", args.prefill_rows)):
+    if value < 1:
+      raise JetSpecError(f"{flag} must be at least 1, got {value}")
+  budgets = _parse_ids(args.budgets, "--budgets")
+  rates = [None if r == "inf" else _positive_float(r, "--request-rate") for r in (args.request_rate or ["inf"])]
+  args.prompt_len = 1
+  impl, mesh, cfg, params, head_cfg, head_params, side = _target_and_head(args)
+  say = _status_lines(args)
+  requests = load.sharegpt_requests(_load_tokenizer(side), args.num_requests, max_output=args.max_new_tokens)
+  depth = head_cfg.depth if args.depth is None else args.depth
+  tree = TreeConfig((args.tree or ["best_nodes"])[0], budgets[0], args.width, depth, **_tree_options(args))
+  groups = 1 if mesh is None else mesh.shape["data"]
+  modes = {"ar": None, tree.method: tree}
+  result = {"target": os.path.abspath(args.target), "head": os.path.abspath(args.head), "requests": len(requests),
+            "slots": args.slots, "tree": tree.describe(), "modes": {}}
+  for name, t in modes.items():
+    nodes = 1 if t is None else t.num_nodes()
+    rows = args.slots if t is None else (args.rows or args.slots * nodes)
+    plan = EnginePlan(slots=args.slots, rows=rows, lanes=groups, prefill_rows=args.prefill_rows,
+                      max_prompt=max(len(r.prompt) for r in requests), max_new_tokens=args.max_new_tokens,
+                      queue=-(-len(requests) // groups), groups=groups, tree=t, key_buckets=args.key_buckets)
+    kw = {} if t is None else dict(head_cfg=head_cfg, head_params=head_params)
+    engine = Engine(cfg, params, plan, eos_ids=None if args.stop_at_eos else (), attn_impl=impl, mesh=mesh, **kw)
+    say(f"{name}: compiling")
+    load.run_engine(engine, requests[:args.slots])
+    for rate in rates:
+      res = load.run_engine(engine, requests, rate=rate, progress=say)
+      res.pop("requests")
+      result["modes"].setdefault(name, {})["inf" if rate is None else f"{rate:g}"] = res
+      say(f"{name} rate {rate or 'inf'}: {res['tokens_per_s']:.0f} tokens/s")
+  bench.write_json(os.path.join(args.out, "bench_load.json"), result)
+  result["plot"] = load.plot(result, os.path.join(args.out, "bench_load.png"))
+  _emit(args, result, load.table(result) + f"\n\nJSON and plot in {os.path.abspath(args.out)}")
+  return result
+
+
+def _positive_float(text: str, flag: str) -> float:
+  try:
+    value = float(text)
+  except ValueError:
+    raise JetSpecError(f"{flag} must be a number or inf, got {text!r}") from None
+  if not value > 0:
+    raise JetSpecError(f"{flag} must be > 0, got {text}")
+  return value
 
 
 def cmd_profile(args) -> dict:
@@ -456,6 +510,18 @@ def build_parser() -> argparse.ArgumentParser:
   tree_flags(b)
   attention_flags(b)
   b.add_argument("--out", default="bench_out")
+  b.add_argument("--load", action="store_true",
+                 help="load mode: ShareGPT-shaped requests (prompt and reply lengths of real conversations, replies "
+                      "capped at --max-new-tokens) through the continuous-batching engine, AR and the first --tree at "
+                      "the first --budgets, at each --request-rate")
+  b.add_argument("--num-requests", type=int, default=64, help="load mode: requests")
+  b.add_argument("--slots", type=int, default=16, help="load mode: engine slots")
+  b.add_argument("--rows", type=int, default=None,
+                 help="load mode: decode rows verified per round over all slots (default: every slot's whole tree)")
+  b.add_argument("--prefill-rows", type=int, default=32, help="load mode: prompt rows per prefill lane and round")
+  b.add_argument("--key-buckets", type=int, default=1, help="load mode: attention key-length buckets (CPU: 4)")
+  b.add_argument("--request-rate", action="append", default=None,
+                 help="load mode: Poisson arrivals per second, repeatable; inf = all at once (default)")
   common(b)
   b.set_defaults(fn=cmd_bench)
 

@@ -58,6 +58,7 @@ CASES = [
     (TreeConfig("calibrated", 8, 3, 4, profile=PROFILE, online="sequence"), 3, 16, 3, 8, EOS),
     (TreeConfig("static", 8, 3, 4, profile=PROFILE), 2, 12, 1, 8, ()),
 ]
+BUCKETED = [(None, 3, 3, 1, 8, EOS), (TreeConfig("best_nodes", 8, 3, 4), 3, 9, 1, 8, ())]
 
 
 @pytest.mark.parametrize("tree,slots,rows,lanes,prefill_rows,eos", CASES,
@@ -70,6 +71,18 @@ def test_every_request_equals_its_own_ar_generation(tree, slots, rows, lanes, pr
   run = engine.run(requests)
   check_lossless(run, requests, eos)
   assert run.busy_slot_rounds <= run.rounds * slots and 0 < run.occupancy <= 1
+
+
+@pytest.mark.parametrize("tree,slots,rows,lanes,prefill_rows,eos", BUCKETED, ids=["ar", "best_nodes"])
+def test_key_buckets_change_no_token(tree, slots, rows, lanes, prefill_rows, eos):
+  """Attention over the shortest of 3 key lengths that holds every live request (switching as requests grow
+  and finish): still every request's own AR tokens."""
+  requests = random_requests(31, 9)
+  kw = {} if tree is None else dict(head_cfg=head()[0], head_params=head()[1])
+  engine = Engine.for_requests(CFG, target(), requests, slots=slots, rows=rows, lanes=lanes, key_buckets=3,
+                               prefill_rows=prefill_rows, tree=tree, eos_ids=eos, **kw)
+  assert len(engine.plan.key_lengths()) == 3
+  check_lossless(engine.run(requests), requests, eos)
 
 
 def test_segments_lose_and_repeat_nothing():

@@ -18,7 +18,7 @@ LAYERS = (
     ("jetspec_jax.distributed", 4),
     ("jetspec_jax.decode", 5),
     ("jetspec_jax.train", 6), ("jetspec_jax.configs", 6),
-    ("jetspec_jax.bench", 7), ("jetspec_jax.trace_summary", 7),
+    ("jetspec_jax.bench", 7), ("jetspec_jax.trace_summary", 7), ("jetspec_jax.load", 7),
     ("jetspec_jax.demo", 8),
     ("jetspec_jax.cli", 9),
     ("jetspec_jax", 9),            # the package's own __init__

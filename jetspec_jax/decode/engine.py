@@ -40,6 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jetspec_jax.config import Qwen3Config
+from jetspec_jax.distributed import host_values
 from jetspec_jax.decode import budget, sampling, verify
 from jetspec_jax.decode.loop import commit_tokens
 from jetspec_jax.decode.speculative import TreeConfig, build_round_tree, observe_ranks
@@ -60,7 +61,10 @@ class EnginePlan:
   slots B, rows K (decode rows verified per round: the batch-wide node budget, roots included) and
   prefill lanes L are split evenly over ``groups``; K/G >= B/G so every decoding slot verifies its root.
   ``prefill_rows`` C: prompt rows a lane runs per round. ``max_prompt`` / ``max_new_tokens``: a slot's
-  capacity; ``queue``: entries per group. ``tree`` None: plain AR decoding (no draft head)."""
+  capacity; ``queue``: entries per group. ``tree`` None: plain AR decoding (no draft head).
+  ``key_buckets`` > 1: attention reads only the cache's first S / 2**i rows (i < key_buckets) while no slot
+  needs more (``run_rounds``): a round's attention costs what the longest live request needs, not the
+  capacity, for one compiled round body per bucket."""
   slots: int
   rows: int
   lanes: int
@@ -70,6 +74,7 @@ class EnginePlan:
   queue: int
   groups: int = 1
   tree: TreeConfig | None = None
+  key_buckets: int = 1
 
   @property
   def nodes(self) -> int:
@@ -85,6 +90,11 @@ class EnginePlan:
     """Decode rows kept per group and round: rows / groups, at most all its slots' nodes."""
     return min(self.rows // self.groups, self.slots // self.groups * self.nodes)
 
+  def key_lengths(self) -> tuple[int, ...]:
+    """The attention key lengths of the buckets, ascending (multiples of 8, the last the cache's)."""
+    full = self.cache_lengths(None)[0]
+    return tuple(sorted({min(full, -(-(full >> i) // 8) * 8) for i in range(self.key_buckets)}))
+
   def cache_lengths(self, head_cfg: DraftConfig | None) -> tuple[int, int]:
     """(target, draft) cache rows per slot: a full request plus one round's scratch rows."""
     committed = self.max_prompt + self.max_new_tokens
@@ -95,7 +105,7 @@ class EnginePlan:
   def validate(self, mesh=None) -> None:
     g = self.groups
     if min(self.slots, self.rows, self.lanes, self.prefill_rows, self.max_prompt, self.max_new_tokens, self.queue,
-           g) < 1:
+           g, self.key_buckets) < 1:
       raise JetSpecError(f"every engine size must be at least 1: {self}")
     if self.slots % g or self.rows % g or self.lanes % g:
       raise JetSpecError(f"slots ({self.slots}), rows ({self.rows}) and lanes ({self.lanes}) must split evenly "
@@ -275,8 +285,9 @@ def _finish(q: Queue, plan: EnginePlan, finished, completes, entry, round_, **va
 
 def engine_round(target_params, head_params, s: EngineState, *, plan: EnginePlan, cfg: Qwen3Config,
                  head_cfg: DraftConfig | None, eos_ids: tuple[int, ...], temperature: float, top_k: int,
-                 top_p: float, accept: str, attn_impl, mesh) -> EngineState:
-  """One round of every slot: admit, draft, pack, verify, accept, commit, finish (module docstring)."""
+                 top_p: float, accept: str, attn_impl, mesh, key_len: int | None = None) -> EngineState:
+  """One round of every slot: admit, draft, pack, verify, accept, commit, finish (module docstring).
+  ``key_len``: the target's attention reads cache rows < key_len only (the caller checks no slot needs more)."""
   s = _admit(s, plan, mesh)
   tree_cfg = plan.tree
   b, n, d, c = plan.slots, plan.nodes, plan.depth, plan.prefill_rows
@@ -319,7 +330,8 @@ def engine_round(target_params, head_params, s: EngineState, *, plan: EnginePlan
     slot, node, live, index = per_data_shard(pack, mesh)(priority.reshape(plan.groups, per * n))
     lane_slot, lane_tokens = _lanes(s, plan, prefilling, mesh)
     packed = PackedRows(slot=slot, node=node, lane_slot=lane_slot,
-                        lane_start=jnp.zeros_like(lane_slot), slots_per_group=per, span=n, lane_rows=c)
+                        lane_start=jnp.zeros_like(lane_slot), slots_per_group=per, span=n, lane_rows=c,
+                        key_len=key_len)
     packed = packed.replace(lane_start=packed.lane_sequences(s.prefix_len).reshape(lane_slot.shape))
     chosen = packed.scatter(live[..., None])[..., 0]                                   # [B, N]
     mask = (dec_mask & chosen[:, None, :]) | jnp.eye(n, dtype=bool)[None]
@@ -429,7 +441,22 @@ def run_rounds(target_params, head_params, state: EngineState, max_rounds: jax.A
   body = functools.partial(engine_round, target_params, head_params, plan=plan, cfg=cfg, head_cfg=head_cfg,
                            eos_ids=eos_ids, temperature=temperature, top_k=top_k, top_p=top_p, accept=accept,
                            attn_impl=attn_impl, mesh=mesh)
-  return jax.lax.while_loop(lambda s: pending(s) & (s.round < stop), body, state)
+  going = lambda s: pending(s) & (s.round < stop)
+  lengths = plan.key_lengths()
+  if len(lengths) == 1:
+    return jax.lax.while_loop(going, body, state)
+  scratch = max(plan.nodes, plan.prefill_rows)
+
+  def bucket(s):                         # the shortest key length no held slot's round can reach past
+    needed = jnp.max(jnp.where(s.entry >= 0, s.prefix_len, 0)) + scratch
+    return jnp.minimum(jnp.sum(jnp.asarray(lengths) < needed), len(lengths) - 1)
+
+  def rounds_in(b):
+    return lambda s: jax.lax.while_loop(lambda s: going(s) & (bucket(s) == b),
+                                        functools.partial(body, key_len=lengths[b]), s)
+  # The bucket changes rarely (a request growing past a length, the longest one finishing): one switch then.
+  return jax.lax.while_loop(going, lambda s: jax.lax.switch(bucket(s), [rounds_in(b) for b in range(len(lengths))],
+                                                            s), state)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -502,7 +529,7 @@ class Engine:
   @classmethod
   def for_requests(cls, target_cfg: Qwen3Config, target_params: dict, requests: Sequence[Request], *, slots: int,
                    rows: int | None = None, lanes: int | None = None, prefill_rows: int = 32, groups: int = 1,
-                   tree: TreeConfig | None = None, **kw) -> "Engine":
+                   tree: TreeConfig | None = None, key_buckets: int = 1, **kw) -> "Engine":
     """An engine whose slot capacity fits ``requests`` (rows default: every slot's whole tree; lanes: one per
     group)."""
     check_requests(requests, target_cfg)
@@ -510,7 +537,7 @@ class Engine:
     plan = EnginePlan(slots=slots, rows=rows or slots * nodes, lanes=lanes or groups, prefill_rows=prefill_rows,
                       max_prompt=max(len(r.prompt) for r in requests),
                       max_new_tokens=max(r.max_new_tokens for r in requests),
-                      queue=-(-len(requests) // groups), groups=groups, tree=tree)
+                      queue=-(-len(requests) // groups), groups=groups, tree=tree, key_buckets=key_buckets)
     return cls(target_cfg, target_params, plan, **kw)
 
   @property
@@ -574,22 +601,22 @@ class Engine:
     if self.state is None:
       self.start()
     self.state = run_rounds(self.params, self.head_params, self.state, jnp.int32(rounds), **self._run_kwargs())
-    status = np.asarray(self.state.queue.status)
+    status = np.asarray(host_values(self.state.queue.status))
     done = [(g, e) for g in range(self.plan.groups) for e in np.flatnonzero(status[g] == FINISHED)
             if e in self._entries[g]]
     if not done:
       return []
     q = self.state.queue
-    g_idx, e_idx = jnp.asarray([g for g, _ in done]), jnp.asarray([e for _, e in done])
-    fetched = jax.device_get([a[g_idx, e_idx] for a in (q.tokens, q.num_tokens, q.steps, q.depth_hist, q.admitted,
-                                                         q.first, q.finished)])
+    g_idx, e_idx = np.asarray([g for g, _ in done]), np.asarray([e for _, e in done])
+    fetched = host_values((q.tokens, q.num_tokens, q.steps, q.depth_hist, q.admitted, q.first, q.finished))
+    fetched = [a[g_idx, e_idx] for a in fetched]
     tokens, num, steps, hist, admitted, first, finished = fetched
     out = []
     for i, (g, e) in enumerate(done):
       out.append(RequestResult(id=self._entries[g].pop(e), tokens=tokens[i, :num[i]].tolist(), steps=int(steps[i]),
                                depth_histogram=hist[i], admitted=int(admitted[i]), first=int(first[i]),
                                finished=int(finished[i])))
-    self.state = release(self.state, g_idx, e_idx)
+    self.state = release(self.state, jnp.asarray(g_idx), jnp.asarray(e_idx))
     return out
 
   def run(self, requests: Sequence[Request]) -> EngineRun:
@@ -599,7 +626,7 @@ class Engine:
     ids = self.submit(requests)
     results = {r.id: r for r in self.step()}
     wall = time.perf_counter() - t0
-    rounds, busy = (int(x) for x in jax.device_get((self.state.round, self.state.busy)))
+    rounds, busy = (int(x) for x in host_values((self.state.round, self.state.busy)))
     return EngineRun(results=[results[i] for i in ids], rounds=rounds, busy_slot_rounds=busy, slots=self.plan.slots,
                      wall_s=wall)
 

@@ -60,7 +60,8 @@ class PackedRows:
   slots_per_group sequences of W rows): packed row (g, k) is row ``node[g, k]`` of sequence g *
   slots_per_group + ``slot[g, k]`` (slot == slots_per_group: padding, dropped). Then L prefill lanes of C =
   ``lane_rows`` consecutive rows each: lane (g, l) continues sequence ``lane_slot[g, l]`` (slots_per_group:
-  an idle lane) from cache row ``lane_start[g, l]``, causally."""
+  an idle lane) from cache row ``lane_start[g, l]``, causally. ``key_len`` (None: all): attention reads only
+  the cache's first key_len rows (the caller guarantees no row sees past them)."""
   slot: jax.Array                 # [G, K] int32
   node: jax.Array                 # [G, K] int32
   lane_slot: jax.Array            # [G, L] int32
@@ -68,6 +69,7 @@ class PackedRows:
   slots_per_group: int = flax.struct.field(pytree_node=False)
   span: int = flax.struct.field(pytree_node=False)
   lane_rows: int = flax.struct.field(pytree_node=False)
+  key_len: int | None = flax.struct.field(pytree_node=False, default=None)
 
   def scatter(self, x: jax.Array) -> jax.Array:
     """Decode rows [G, K, ...] -> [B, W, ...] (zeros where no packed row lands)."""
@@ -114,14 +116,16 @@ def _attend_packed(packed: PackedRows, kv, start, block_mask, q, k, v, impl, mes
   (k_d, k_l), (v_d, v_l) = packed.split(heads_last(k)), packed.split(heads_last(v))
   k_cache = write_rows(kv[0], heads_last(packed.scatter(k_d)), start)
   v_cache = write_rows(kv[1], heads_last(packed.scatter(v_d)), start)
-  out = packed.gather(attention(packed.scatter(q_d), k_cache, v_cache, start, block_mask, impl=impl, mesh=mesh))
+  keys = slice(None, packed.key_len)
+  out = packed.gather(attention(packed.scatter(q_d), k_cache[:, :, keys], v_cache[:, :, keys], start, block_mask,
+                                impl=impl, mesh=mesh))
   if packed.lane_slot.shape[1]:
     lane_start = packed.lane_start.reshape(-1)
     lane_k = write_rows(packed.lane_sequences(k_cache), heads_last(k_l), lane_start)
     lane_v = write_rows(packed.lane_sequences(v_cache), heads_last(v_l), lane_start)
     rows = packed.lane_rows
     causal = jnp.broadcast_to(jnp.tril(jnp.ones((rows, rows), bool)), (q_l.shape[0], rows, rows))
-    lane_out = attention(q_l, lane_k, lane_v, lane_start, causal, impl=impl, mesh=mesh)
+    lane_out = attention(q_l, lane_k[:, :, keys], lane_v[:, :, keys], lane_start, causal, impl=impl, mesh=mesh)
     k_cache, v_cache = packed.set_lane_sequences(k_cache, lane_k), packed.set_lane_sequences(v_cache, lane_v)
     out = jnp.concatenate([out, lane_out.reshape((out.shape[0], -1) + lane_out.shape[2:])], axis=1)
   return out, (k_cache, v_cache)

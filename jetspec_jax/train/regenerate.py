@@ -53,35 +53,41 @@ def turn_positions(messages: Conversation) -> list[int]:
   return pos + ([len(messages)] if messages and messages[-1]["role"] == "user" else [])
 
 
-def prompt_bucket(length: int) -> int:
-  """Padded prompt width: the next power of two (>= 16), so few shapes are ever compiled."""
-  return max(16, 1 << (length - 1).bit_length())
-
-
 def generate_batches(params, cfg, prompts: Sequence[Sequence[int]], *, batch_size: int, max_new_tokens: int,
                      eos_ids: tuple[int, ...], temperature: float, key: jax.Array, mesh=None, attn_impl="xla",
                      prefill_chunk: int | None = None, on_batch=lambda tokens: None) -> list[list[int]]:
   """Generated ids (EOS included when hit) for each prompt, as one AR ``Generator`` call per prompt would give.
 
-  Prompts are sorted by length and run ``batch_size`` at a time; each batch is right-padded to
-  ``prompt_bucket`` width and filled to ``batch_size`` rows with copies of its last prompt, so only a
-  few shapes compile. Extra padding does not change a row (the loop already serves ragged batches).
-  Batch b samples with ``fold_in(key, b)``. ``on_batch(generated_tokens)`` is called after each batch.
+  The prompts run through the continuous-batching engine (``decode.engine``) with ``batch_size`` slots (a
+  multiple of the mesh's data axis): a finished response frees its slot for the next prompt at once.
+  Prompt i of the length-sorted order samples with fold_in(fold_in(key, i // batch_size), i % batch_size),
+  the key its row had in the static batches this replaced. Prompts are prefilled ``prefill_chunk`` rows per
+  round (default 64). ``on_batch(generated_tokens)`` is called as responses finish.
   """
-  generator = Generator(cfg, params, sampling_cfg=SamplingConfig(temperature=temperature), eos_ids=eos_ids, mesh=mesh,
-                        attn_impl=attn_impl, prefill_chunk=prefill_chunk)
+  from jetspec_jax.decode.engine import Engine, Request
+  data = 1 if mesh is None else mesh.shape["data"]
+  slots = -(-batch_size // data) * data
   order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+  requests = [Request(list(prompts[i]), max_new_tokens,
+                      key=jax.random.fold_in(jax.random.fold_in(key, n // batch_size), n % batch_size))
+              for n, i in enumerate(order)]
+  engine = Engine.for_requests(cfg, params, requests, slots=slots, groups=data, lanes=data,
+                               prefill_rows=prefill_chunk or 64, eos_ids=eos_ids, mesh=mesh, attn_impl=attn_impl,
+                               sampling_cfg=SamplingConfig(temperature=temperature))
+  engine.start()
+  engine.submit(requests)
   out: list[list[int]] = [[] for _ in prompts]
-  for b in range(0, len(order), batch_size):
-    real = order[b:b + batch_size]
-    rows = real + [real[-1]] * (batch_size - len(real))
-    width = prompt_bucket(max(len(prompts[i]) for i in rows))
-    res = generator.generate([prompts[i] for i in rows], max_new_tokens, width=width,
-                             key=jax.random.fold_in(key, b // batch_size))
-    for r, i in enumerate(real):
-      out[i] = res.tokens[r]
-    on_batch(int(res.num_tokens[:len(real)].sum()))
+  finished = 0
+  while finished < len(requests):
+    results = engine.step(SEGMENT_ROUNDS)
+    for r in results:
+      out[order[r.id]] = r.tokens
+    finished += len(results)
+    on_batch(sum(len(r.tokens) for r in results))
   return out
+
+
+SEGMENT_ROUNDS = 64     # engine rounds between progress updates
 
 
 @dataclasses.dataclass
