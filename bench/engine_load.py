@@ -73,14 +73,14 @@ def part2(cfg, params, head, tokenizer, args, say):
   depth = head[0].depth
   out = {}
   for slots in args.slots:
-    requests = load.sharegpt_requests(tokenizer, max(8, 2 * slots), max_output=args.sweep_output,
+    requests = load.sharegpt_requests(tokenizer, max(16, 2 * slots), max_output=args.sweep_output,
                                       max_prompt=args.sweep_prompt)
     modes = {"ar": (None, slots), "chain": (TreeConfig("chain", 1, 1, depth), slots * (depth + 1))}
     for n in args.budgets:
       modes[f"best_b{n}"] = (TreeConfig("best_nodes", n, args.width, depth), slots * n)
     wide = TreeConfig("best_nodes", max(args.budgets), args.width, depth)
     spec = planner.candidate_plans(slots, wide)
-    calib = requests[:max(2, slots // 2)]
+    calib = requests[:max(8, slots)]
     t0 = time.perf_counter()
     points = planner.calibrate(lambda tree, rows: engine_for(cfg, params, requests, slots, tree=tree, rows=rows,
                                                              head=head), calib, spec, progress=say)
@@ -89,10 +89,17 @@ def part2(cfg, params, head, tokenizer, args, say):
     modes["batch_wide"] = chosen
     res = {"calibration": [dataclasses.asdict(p) | {"tokens_per_s": p.tokens_per_second} for p in points],
            "calibration_s": time.perf_counter() - t0, "batch_wide_pick": pick.name, "modes": {}}
-    for name, (tree, rows) in modes.items():
-      r = warm_run(engine_for(cfg, params, requests, slots, tree=tree, rows=rows, head=head), requests)
-      res["modes"][name] = summary(r) | {"rows": rows, "tree": None if tree is None else tree.describe()}
-      say(f"slots {slots} {name}: {r['tokens_per_s']:.0f} tokens/s, tau {r['tau']:.2f}")
+    engines = {name: engine_for(cfg, params, requests, slots, tree=tree, rows=rows, head=head)
+               for name, (tree, rows) in modes.items()}
+    for rep in range(args.repeats):                    # interleaved passes; each mode keeps its fastest
+      for name, (tree, rows) in modes.items():
+        r = warm_run(engines[name], requests) if rep == 0 else load.run_engine(engines[name], requests)
+        best = res["modes"].get(name)
+        if best is None or r["tokens_per_s"] > best["tokens_per_s"]:
+          res["modes"][name] = summary(r) | {"rows": rows, "tree": None if tree is None else tree.describe(),
+                                             "passes_tokens_per_s": (best or {}).get("passes_tokens_per_s", [])}
+        res["modes"][name]["passes_tokens_per_s"] = res["modes"][name]["passes_tokens_per_s"] + [r["tokens_per_s"]]
+        say(f"slots {slots} {name}: {r['tokens_per_s']:.0f} tokens/s, tau {r['tau']:.2f}")
     fixed = max(v["tokens_per_s"] for k, v in res["modes"].items() if k != "batch_wide")
     res["batch_wide_vs_best_fixed"] = res["modes"]["batch_wide"]["tokens_per_s"] / fixed
     res["batch_wide_vs_ar"] = res["modes"]["batch_wide"]["tokens_per_s"] / res["modes"]["ar"]["tokens_per_s"]
@@ -112,6 +119,7 @@ def main(argv=None):
   p.add_argument("--sweep-prompt", type=int, default=256, help="prompt cap of part 2's requests")
   p.add_argument("--key-buckets", type=int, default=4, help="part 1's engine (EnginePlan.key_buckets)")
   p.add_argument("--parts", default="1,2")
+  p.add_argument("--repeats", type=int, default=2, help="part 2: interleaved passes per mode (the fastest kept)")
   p.add_argument("--out", default=None)
   args = p.parse_args(argv)
   say = lambda s: print(s, flush=True)

@@ -56,3 +56,19 @@ def test_tree_flags_are_checked(bench_world, tmp_path, capsys):
                phrases=("covers depth 2 and width 2", "needs depth 3 and width 3"))
   one_sentence(capsys, "profile", "--target", target, "--head", head, "--bank", bank, "--out",
                str(tmp_path / "no" / "p.json"), phrases=("does not exist",))
+
+
+def test_bench_load_mode(bench_world, capsys):
+  """`bench --load`: ShareGPT-shaped requests through the engine, AR and the tree, all at once and at a rate."""
+  target, head, _, out = bench_world
+  flags = ["bench", "--load", "--target", target, "--head", head, "--out", out, "--num-requests", "3", "--slots", "2",
+           "--max-new-tokens", "4", "--budgets", "4", "--width", "2", "--prefill-rows", "16"]
+  res = _json(capsys, *flags, "--request-rate", "inf", "--request-rate", "50")
+  assert set(res["modes"]) == {"ar", "best_nodes"} and res["requests"] == 3
+  for mode in res["modes"].values():
+    assert set(mode) == {"inf", "50"}
+    for r in mode.values():
+      assert r["output_tokens"] == 12 and 0 < r["occupancy"] <= 1 and r["ttft_s"]["p50"] > 0
+  assert os.path.isfile(res["plot"]) and os.path.isfile(os.path.join(out, "bench_load.json"))
+  one_sentence(capsys, *flags, "--request-rate", "fast", phrases=("--request-rate must be a number or inf",))
+  one_sentence(capsys, *flags, "--slots", "0", phrases=("--slots must be at least 1",))

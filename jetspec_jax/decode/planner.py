@@ -35,12 +35,12 @@ class Candidate:
 def candidate_plans(slots: int, tree: TreeConfig, *, row_factors: Sequence[int] = (2, 4, 8),
                     chain_depth: int | None = None) -> list[tuple[str, TreeConfig | None, int]]:
   """(name, tree or None, decode rows) candidates: AR, a chain of ``chain_depth`` (default: the tree's
-  depth) with every slot's chain, and ``tree`` with rows = factor * slots for each factor below its size."""
+  depth) with every slot's chain, and ``tree`` with rows = factor * slots for each factor below its size,
+  then every slot's whole tree."""
   depth = chain_depth or tree.depth
   out = [("ar", None, slots), (f"chain_d{depth}", TreeConfig("chain", 1, 1, depth), slots * (depth + 1))]
-  for f in row_factors:
-    if f < tree.num_nodes():
-      out.append((f"{tree.method}_rows{f * slots}", tree, f * slots))
+  for f in [f for f in row_factors if f < tree.num_nodes()] + [tree.num_nodes()]:
+    out.append((f"{tree.method}_rows{f * slots}", tree, f * slots))
   return out
 
 
