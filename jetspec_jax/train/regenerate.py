@@ -29,7 +29,7 @@ from typing import Sequence
 import jax
 from tqdm.auto import tqdm
 
-from jetspec_jax.decode.generation import Generator, SamplingConfig
+from jetspec_jax.decode.generation import SamplingConfig
 from jetspec_jax.distributed import from_first_process
 from jetspec_jax.errors import JetSpecError
 from jetspec_jax.files import write_json, write_jsonl
@@ -141,8 +141,8 @@ def regenerate(target, source: str, out_dir: str, *, max_new_tokens: int = 1024,
   per output file; prompts longer than ``max_prompt_tokens`` end a conversation (before its first
   turn: it is skipped), and so does a response cut at ``max_new_tokens``. Returns a summary of this
   run: examples written, skipped, truncated responses, chunks written / reused, tokens generated,
-  seconds. ``dtype``, ``attn_impl``, ``prefill_chunk``: the target's weights and generation (``Generator``);
-  the prefill is memory-bounded whatever the prompt length (``decode.loop.prefill_chunk``).
+  seconds. ``dtype``, ``attn_impl``, ``prefill_chunk``: the target's weights and generation (``decode.engine``);
+  prompts are prefilled ``prefill_chunk`` rows per round (default 64), memory-bounded at any length.
   """
   if min(max_new_tokens, batch_size, chunk_size, max_turns) <= 0 or (limit is not None and limit <= 0):
     raise JetSpecError("max_new_tokens, batch_size, chunk_size, max_turns and limit must be positive")
