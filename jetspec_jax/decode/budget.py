@@ -1,9 +1,9 @@
-"""The batch-wide node budget: which of the rows the slots offer one round verifies.
+"""The batch-wide node budget: which of the decode rows the slots offer one round verifies (prompt
+rows go through the engine's prefill lanes, outside the budget).
 
 Priorities (higher first; ``pack`` keeps each group's K best): a decoding slot's root (``ROOT``, so
-every decoding slot commits at least one token per round), then prompt rows (``PROMPT`` - row, so
-a prompt is prefilled in order), then tree nodes by cumulative log-score along their root path
-(<= 0). A node's log-score is the draft's log-probability of its rank at its depth, calibrated by
+every decoding slot commits at least one token per round), then tree nodes by cumulative log-score
+along their root path (<= 0). A node's log-score is the draft's log-probability of its rank at its depth, calibrated by
 the acceptance profile where there is one (``tree.calibrated_scores``: the measured over the
 predicted acceptance of (depth, rank)), made non-increasing in rank. Path scores then never exceed a
 parent's or a lower-ranked sibling's, and ties go to the lower index (parents and lower ranks come
@@ -21,7 +21,6 @@ import jax.numpy as jnp
 from jetspec_jax.decode.tree import Tree, calibrated_scores
 
 ROOT = 2.0e7       # priority of a decoding slot's root
-PROMPT = 1.0e7     # priority of prompt row 0 (row i: PROMPT - i; exact in float32 for i < 2**23)
 
 
 def rank_scores(shape_logp: jax.Array, tree_cfg, counts) -> jax.Array:
