@@ -454,3 +454,56 @@ def largest_array(hlo: str) -> tuple[int, str]:
         if op != "parameter" and d not in inputs and math.prod(d) > best[0]:
           best = (math.prod(d), shape)
   return best
+
+
+_KERNEL_OPS = ("fusion", "custom-call")
+_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+
+
+def loop_report(hlo: str) -> dict[str, Any]:
+  """What a compiled program launches per iteration of its outermost loop (the decode loop's round;
+  the whole program when the entry has no loop). ``kernels``: fusions and custom calls, each counted
+  once however often a nested loop repeats it; ``while_loops`` / ``conditionals``: the control flow
+  nested inside (on XLA:GPU each reads its predicate on the host every iteration), with the source
+  op names (``*_ops``) so a remaining one can be traced to its code; ``other_ops``: the remaining
+  non-trivial instructions (collectives, unfused copies, sorts, ...). On a loop-less program
+  ``loop`` is False and the counts are the entry's."""
+  comps, entry = _computations(hlo)
+  trivial = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while", "conditional", "call"}
+
+  def walk(name: str, acc: dict, seen: set) -> None:
+    if name in seen:
+      return
+    seen.add(name)
+    for _, _, op, rest in comps[name]:
+      source = re.search(r'op_name="([^"]+)"', rest)
+      where = source.group(1) if source else "?"
+      if op in _KERNEL_OPS:
+        acc["kernels"] += 1
+      elif op == "while":
+        acc["while_loops"] += 1
+        acc["while_ops"].append(where)
+      elif op == "conditional":
+        acc["conditionals"] += 1
+        acc["conditional_ops"].append(where)
+      elif op not in trivial and not op.endswith("-done"):
+        acc["other_ops"] += 1
+      if op in ("while", "conditional", "call") or op.startswith("async") or op.endswith("-start"):
+        branches = _BRANCHES.search(rest)
+        called = re.findall(r"%([\w.\-]+)", branches.group(1)) if branches else []
+        for callee in called + _CALLEE.findall(rest):
+          walk(callee, acc, seen)
+
+  def count(names: list[str]) -> dict:
+    acc = {"kernels": 0, "while_loops": 0, "conditionals": 0, "other_ops": 0, "while_ops": [], "conditional_ops": []}
+    seen: set = set()
+    for n in names:
+      walk(n, acc, seen)
+    return acc
+
+  loops = [re.search(r"body=%([\w.\-]+)", rest).group(1) for _, _, op, rest in comps[entry] if op == "while"]
+  if not loops:
+    return {"loop": False, **count([entry])}
+  bodies = [count([b]) for b in loops]
+  main = max(range(len(loops)), key=lambda i: bodies[i]["kernels"])
+  return {"loop": True, **bodies[main], "entry_kernels": count([entry])["kernels"] - bodies[main]["kernels"]}

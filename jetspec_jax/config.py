@@ -51,6 +51,8 @@ class Qwen3Config:
   # Runtime layout, not a property of the checkpoint (never read from or written to config.json):
   # split the MoE experts over the mesh's ``model`` axis instead of their MLP width.
   expert_parallel: bool = False
+  # How the MoE experts run (``models.moe.DISPATCHES``): "auto" picks by the mesh's platform.
+  moe_dispatch: str = "auto"
 
   @property
   def architecture(self) -> str:
@@ -73,6 +75,8 @@ class Qwen3Config:
     if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
       raise JetSpecError(f"num_experts_per_tok={self.num_experts_per_tok} must be in 1..num_experts="
                          f"{self.num_experts}")
+    if self.moe_dispatch not in ("auto", "loop", "gather"):
+      raise JetSpecError(f"moe_dispatch={self.moe_dispatch!r} must be auto, loop or gather")
     if self.num_experts and self.moe_intermediate_size <= 0:
       raise JetSpecError("moe_intermediate_size must be positive for a MoE config")
 

@@ -15,7 +15,7 @@ from jax.sharding import NamedSharding
 
 import hf_fixtures
 from jetspec_jax import sharding
-from jetspec_jax.bench import hlo_dot_flops, largest_array
+from jetspec_jax.bench import hlo_dot_flops, largest_array, loop_report
 from jetspec_jax.config import Qwen3Config
 from jetspec_jax.decode.generation import Generator
 from jetspec_jax.decode.speculative import TreeConfig
@@ -59,35 +59,38 @@ def skewed_routing(m, num_experts, k, seed=0):
   return rng.random((m, k)).astype(np.float32), np.concatenate([np.full((m, 1), 3), others], 1).astype(np.int32)
 
 
+@pytest.mark.parametrize("dispatch", moe.DISPATCHES)
 @pytest.mark.parametrize("m,routing", [(1, random_routing), (3, random_routing), (40, random_routing),
                                        (300, random_routing), (200, skewed_routing)])
-def test_dispatch_equals_per_expert_loop(m, routing):
+def test_dispatch_equals_per_expert_loop(m, routing, dispatch):
   e, h, i, k = 16, 32, 8, 3
   gate, up, down = random_experts(e, h, i)
   x = np.random.default_rng(m).normal(size=(m, h)).astype(np.float32)
   top_w, top_i = routing(m, e, k)
-  out = jax.jit(moe.grouped_swiglu)(x, top_w, top_i, gate, up, down)
+  out = jax.jit(moe.grouped_swiglu, static_argnames="dispatch")(x, top_w, top_i, gate, up, down, dispatch=dispatch)
   np.testing.assert_allclose(out, per_expert_reference(x, top_w, top_i, gate, up, down), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dispatch", moe.DISPATCHES)
 @pytest.mark.parametrize("shards", [2, 4])
-def test_expert_shards_sum_to_the_whole(shards):
+def test_expert_shards_sum_to_the_whole(shards, dispatch):
   """Expert parallelism's local step: each shard's local experts' share, summed, is the whole layer."""
   e, h, i, k, m = 16, 32, 8, 4, 50
   gate, up, down = random_experts(e, h, i, seed=1)
   x = np.random.default_rng(1).normal(size=(m, h)).astype(np.float32)
   top_w, top_i = random_routing(m, e, k, seed=1)
   el = e // shards
-  fn = jax.jit(moe.grouped_swiglu, static_argnames="num_experts")
+  fn = jax.jit(moe.grouped_swiglu, static_argnames=("num_experts", "dispatch"))
   parts = [fn(x, top_w, top_i, gate[s * el:(s + 1) * el], up[s * el:(s + 1) * el], down[s * el:(s + 1) * el],
-              first_expert=s * el, num_experts=e) for s in range(shards)]
+              first_expert=s * el, num_experts=e, dispatch=dispatch) for s in range(shards)]
   np.testing.assert_allclose(sum(parts), per_expert_reference(x, top_w, top_i, gate, up, down), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dispatch", moe.DISPATCHES)
 @pytest.mark.parametrize("norm", [True, False])
-def test_block_matches_transformers(norm):
+def test_block_matches_transformers(norm, dispatch):
   """One sparse block with 32 experts and 200 tokens (tiles of several rows, skipped tiles) against
-  transformers' Qwen3MoeSparseMoeBlock, float32."""
+  transformers' Qwen3MoeSparseMoeBlock, float32, with either dispatch."""
   hf_cfg = hf_fixtures.hf_config("moe_norm", num_experts=32, num_experts_per_tok=4, norm_topk_prob=norm)
   block = transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock(hf_cfg).eval()
   gen = torch.Generator().manual_seed(0)
@@ -104,7 +107,7 @@ def test_block_matches_transformers(norm):
             "down": block.experts.down_proj.detach().numpy().transpose(0, 2, 1)}
   cfg = Qwen3Config(vocab_size=8, hidden_size=hf_cfg.hidden_size, intermediate_size=8, num_hidden_layers=1,
                     num_attention_heads=1, num_key_value_heads=1, head_dim=8, num_experts=32, num_experts_per_tok=4,
-                    moe_intermediate_size=inter, norm_topk_prob=norm)
+                    moe_intermediate_size=inter, norm_topk_prob=norm, moe_dispatch=dispatch)
   assert moe.tile_rows(200 * 4, 32) > 1
   out = jax.jit(layer_fn(cfg))(x.numpy(), params)
   np.testing.assert_allclose(out, ref, rtol=0, atol=1e-5)
@@ -171,6 +174,31 @@ def test_compiled_cost_is_the_routed_work_plus_a_tile_per_expert(m):
   assert biggest <= max(e * n, h * i), shape
   temp = compiled.memory_analysis().temp_size_in_bytes
   assert temp <= 4 * (8 * c + 4 * m * e + 4 * m * h + 3 * h * i + 4 * t * (h + i)), temp
+
+
+@pytest.mark.parametrize("m", [1, 16, 128, 1024])
+def test_gather_dispatch_has_no_control_flow_and_the_same_cost_bound(m):
+  """The ``gather`` dispatch (accelerators): no while loop or conditional anywhere in the compiled layer,
+  FLOPs within the bound above, and temporaries bounded by the gathered copies of C/T tiles' expert
+  weights plus the [C, H] rows (the copies are its price, module docstring)."""
+  e, h, i, k = 128, 64, 32, 8
+  cfg = dataclasses.replace(layer_config(h, i, e, k), moe_dispatch="gather")
+  compiled = compiled_layer(cfg, m)
+  text = compiled.as_text()
+  report = loop_report(text)
+  assert not report["loop"] and report["while_loops"] == 0 and report["conditionals"] == 0, report
+  n, t = m * k, moe.tile_rows(m * k, e)
+  c = moe.capacity(n, e, t)
+  routed = 2 * n * 3 * h * i
+  assert routed <= hlo_dot_flops(text) <= 1.25 * routed + e * t * 6 * h * i + 2 * m * h * e
+  temp = compiled.memory_analysis().temp_size_in_bytes
+  assert temp <= 4 * (3 * (c // t) * h * i + 3 * c * (h + i) + 8 * c + 4 * m * e + 4 * m * h * k), temp
+
+
+def test_auto_dispatch_follows_the_platform():
+  cfg = layer_config(32, 16, 8, 2)
+  assert moe.dispatch_for(cfg) == "loop" and moe.dispatch_for(cfg, sharding.make_mesh(1, 1, jax.devices()[:1])) == "loop"
+  assert moe.dispatch_for(dataclasses.replace(cfg, moe_dispatch="gather")) == "gather"
 
 
 def test_cost_check_catches_the_dense_expansion():
@@ -243,13 +271,15 @@ def sharded_params(specs, params, mesh):
   return {n: jax.device_put(v, sharding.named_sharding(specs[n].axes, specs[n].shape, mesh)) for n, v in params.items()}
 
 
-LAYOUTS = [(2, 4, False), (4, 2, False), (2, 4, True), (4, 2, True)]
+LAYOUTS = [(2, 4, False, "loop"), (4, 2, False, "loop"), (2, 4, True, "loop"), (4, 2, True, "loop"),
+           (2, 4, True, "gather")]
 
 
 @pytest.mark.usefixtures("eight_devices")
-@pytest.mark.parametrize("data,model,ep", LAYOUTS, ids=[f"{d}x{m}{'-ep' if ep else ''}" for d, m, ep in LAYOUTS])
-def test_sharded_layer_equals_unsharded_and_routes_locally(data, model, ep):
-  cfg = dataclasses.replace(layer_config(32, 16, 8, 2), expert_parallel=ep)
+@pytest.mark.parametrize("data,model,ep,dispatch", LAYOUTS,
+                         ids=[f"{d}x{m}{'-ep' if ep else ''}-{x}" for d, m, ep, x in LAYOUTS])
+def test_sharded_layer_equals_unsharded_and_routes_locally(data, model, ep, dispatch):
+  cfg = dataclasses.replace(layer_config(32, 16, 8, 2), expert_parallel=ep, moe_dispatch=dispatch)
   specs = layer_specs(cfg)
   keys = jax.random.split(jax.random.key(0), len(specs))
   params = {n: 0.3 * jax.random.normal(kk, specs[n].shape) for kk, n in zip(keys, sorted(specs))}

@@ -3,15 +3,24 @@
 Every MoE forward (prefill, tree verification, AR decode, training's frozen target) goes through
 ``moe_mlp``. Routing is transformers': float32 softmax over all E experts, top-k, renormalised only
 with ``norm_topk_prob``. The N = M*k (token, expert) pairs are sorted by expert, each expert's group
-is padded up to a multiple of the row tile T, and a loop over the tiles of a static buffer of
-C = round_up(N + min(E, N) * (T - 1), T) rows (an upper bound on the padded rows: no token is ever
-dropped) runs one [T, H] x [H, I] SwiGLU per tile against its expert's weights, read in place.
+is padded up to a multiple of the row tile T, and the C = round_up(N + min(E, N) * (T - 1), T) rows
+of a static buffer (an upper bound on the padded rows: no token is ever dropped) form C/T tiles,
+each one [T, H] x [H, I] SwiGLU against its expert's weights. Two ways to run the tiles
+(``DISPATCHES``, ``Qwen3Config.moe_dispatch``; "auto": ``loop`` on CPU, ``gather`` elsewhere):
+
+* ``loop``: a ``fori_loop`` over the tiles, each reading its expert's weights in place; tiles past
+  the used ones are skipped (``lax.cond``). No copy of any weight. On XLA:CPU the loop is free; on
+  XLA:GPU every iteration and every conditional reads its predicate on the host.
+* ``gather``: no control flow. The tiles' expert weights are gathered into [C/T, H, I] and the
+  tiles run as one batched SwiGLU; each token then sums its k results from the [C, H] outputs in
+  ascending expert order (a gather, no scatter-add: deterministic). Same FLOPs as ``loop`` without
+  its skipping (the static bound below), plus a copy of C/T expert weights (read, write, read:
+  about 3x the weight traffic of reading in place; memory: the [C/T, H, I] copies).
 
 Cost bound (static shapes): FLOPs <= C * 6HI <= N * 6HI + min(E, N) * T * 6HI + T * 6HI, i.e. the
-routed work plus one tile per expert; tiles past the used ones are skipped at run time. The largest
-temporaries are the [M, E] router probabilities, [C] slot indices and one tile's [T, I] activations;
-no [E, rows] array and no copy of the expert weights is formed. With T = 1 (few tokens, e.g.
-batch-1 decode) C = N and only the k routed experts' weights are read per token.
+routed work plus one tile per expert. The largest other temporaries are the [M, E] router
+probabilities, [C] slot indices and the tiles' activations; no [E, rows] array is formed. With T = 1
+(few tokens, e.g. batch-1 decode) C = N and only the k routed experts' weights are read per token.
 
 Under a (data, model) mesh the layer runs in ``jax.shard_map``: each data shard routes and
 dispatches its own tokens (no routing crosses the data axis); the experts' weights stay where their
@@ -32,6 +41,7 @@ from jetspec_jax.sharding import logical_to_spec
 
 MAX_TILE = 128
 WEIGHTS = ("gate", "up", "down")
+DISPATCHES = ("loop", "gather")
 
 
 def expert_axes(cfg: Qwen3Config) -> dict[str, tuple[str, ...]]:
@@ -83,14 +93,15 @@ def route(tokens: jax.Array, router: jax.Array, top_k: int, norm_topk_prob: bool
 
 
 def grouped_swiglu(tokens: jax.Array, top_w: jax.Array, top_i: jax.Array, gate: jax.Array, up: jax.Array,
-                   down: jax.Array, *, first_expert=0, num_experts: int | None = None) -> jax.Array:
+                   down: jax.Array, *, first_expert=0, num_experts: int | None = None,
+                   dispatch: str = "loop") -> jax.Array:
   """sum_j top_w[m, j] * swiglu_{top_i[m, j]}(tokens[m]) over the pairs whose expert is local.
 
   tokens [M, H]; top_w, top_i [M, k]; gate/up [El, H, I], down [El, I, H] hold experts
   first_expert .. first_expert + El - 1 of ``num_experts`` (default El; other pairs are skipped).
   The tile follows the average load M*k / num_experts; the capacity bounds the local pairs by
-  M * min(k, El). Returns [M, H] in tokens' dtype; each token's terms are added in ascending
-  expert order, as transformers does.
+  M * min(k, El). ``dispatch``: one of ``DISPATCHES`` (module docstring). Returns [M, H] in tokens'
+  dtype; each token's terms are added in ascending expert order, as transformers does.
   """
   m, h = tokens.shape
   num_local, k = gate.shape[0], top_i.shape[1]
@@ -105,13 +116,18 @@ def grouped_swiglu(tokens: jax.Array, top_w: jax.Array, top_i: jax.Array, gate: 
   tile_end = jnp.cumsum(tiles)
   group_start = jnp.cumsum(counts) - counts
   g_all = jnp.arange(c // t, dtype=jnp.int32)
-  tile_expert = jnp.minimum(jnp.searchsorted(tile_end, g_all, side="right"), num_local - 1)   # [C/T]
+  tile_expert = jnp.minimum(jnp.searchsorted(tile_end, g_all, side="right", method="compare_all"), num_local - 1)   # [C/T]
   first_row = (g_all - tile_end[tile_expert] + tiles[tile_expert]) * t                    # within the group
   pos = (first_row[:, None] + jnp.arange(t, dtype=jnp.int32)).reshape(-1)                 # [C]
   slot_expert = jnp.repeat(tile_expert, t)
   valid = pos < counts[slot_expert]
   pair = order[jnp.where(valid, group_start[slot_expert] + pos, 0)]
   slot_token = jnp.where(valid, pair // k, m)                                           # m: padding row
+  if dispatch == "gather":
+    return _gathered_tiles(tokens, top_w, local, order, slot_token, tile_expert, tiles, tile_end, group_start,
+                           gate, up, down, t)
+  if dispatch != "loop":
+    raise ValueError(f"unknown MoE dispatch {dispatch!r}; choose one of {DISPATCHES}")
   slot_weight = jnp.where(valid, top_w.reshape(-1)[pair], 0).astype(tokens.dtype)
   used = tile_end[-1]
 
@@ -128,6 +144,40 @@ def grouped_swiglu(tokens: jax.Array, top_w: jax.Array, top_i: jax.Array, gate: 
   return jax.lax.fori_loop(0, c // t, body, jnp.zeros((m, h), tokens.dtype))
 
 
+def _gathered_tiles(tokens, top_w, local, order, slot_token, tile_expert, tiles, tile_end, group_start,
+                    gate, up, down, t):
+  """The ``gather`` dispatch: every tile at once against gathered copies of its expert's weights, then
+  each pair's result read back from its slot. local [N] (El: not here), order [N] pairs by expert,
+  slot_token [C] (M: padding), tile_expert [C/T]; returns [M, H]."""
+  m, h = tokens.shape
+  num_local, k = gate.shape[0], top_w.shape[1]
+  x = tokens.at[slot_token].get(mode="fill", fill_value=0).reshape(-1, t, h)           # [C/T, T, H]
+  a = jnp.einsum("gth,ghi->gti", x, gate[tile_expert])
+  b = jnp.einsum("gth,ghi->gti", x, up[tile_expert])
+  y = jnp.einsum("gti,gih->gth", jax.nn.silu(a) * b, down[tile_expert]).reshape(-1, h)   # [C, H]
+  rank = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
+  e = jnp.minimum(local, num_local - 1)
+  slot = (tile_end[e] - tiles[e]) * t + rank - group_start[e]                           # [N]
+  here = (local < num_local).reshape(m, k)
+  by_expert = jnp.argsort(local.reshape(m, k), axis=1)                                    # ascending expert
+  slot = jnp.take_along_axis(slot.reshape(m, k), by_expert, axis=1)
+  w = jnp.where(jnp.take_along_axis(here, by_expert, axis=1),
+                jnp.take_along_axis(top_w, by_expert, axis=1), 0).astype(tokens.dtype)
+  out = jnp.zeros((m, h), tokens.dtype)
+  for j in range(k):
+    out = out + (y.at[slot[:, j]].get(mode="clip") * w[:, j, None]).astype(tokens.dtype)
+  return out
+
+
+def dispatch_for(cfg: Qwen3Config, mesh=None) -> str:
+  """``cfg.moe_dispatch``, "auto" resolved by the platform of the mesh's devices (else jax's backend):
+  ``loop`` on CPU, ``gather`` on accelerators (where loops and conditionals cost host round-trips)."""
+  if cfg.moe_dispatch != "auto":
+    return cfg.moe_dispatch
+  platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
+  return "loop" if platform == "cpu" else "gather"
+
+
 def moe_mlp(x: jax.Array, router: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, cfg: Qwen3Config,
             mesh=None) -> jax.Array:
   """The sparse MoE block on x [B, T, H] -> [B, T, H] (see the module docstring); weights as ``MoE``'s."""
@@ -135,13 +185,15 @@ def moe_mlp(x: jax.Array, router: jax.Array, gate: jax.Array, up: jax.Array, dow
   axes = expert_axes(cfg)
   k = cfg.num_experts_per_tok
   sharded = mesh is not None and mesh.shape["model"] > 1
+  dispatch = dispatch_for(cfg, mesh)
 
   def local(x, router, gate, up, down):
     b, t, h = x.shape
     tokens = x.reshape(b * t, h)
     top_w, top_i = route(tokens, router, k, cfg.norm_topk_prob)
     first = jax.lax.axis_index("model") * gate.shape[0] if sharded and cfg.expert_parallel else 0
-    out = grouped_swiglu(tokens, top_w, top_i, gate, up, down, first_expert=first, num_experts=cfg.num_experts)
+    out = grouped_swiglu(tokens, top_w, top_i, gate, up, down, first_expert=first, num_experts=cfg.num_experts,
+                         dispatch=dispatch)
     if sharded:
       out = jax.lax.psum(out, "model")
     return out.reshape(b, t, h)
