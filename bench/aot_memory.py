@@ -16,11 +16,19 @@ committed positions, mesh 1 x 8) as well, and for the 8B target regeneration on 
   attention's query blocks, the loss's anchor chunks); the decode loop's trip count is data-dependent,
   so its rows are per round; ``analytic_tflop``: matmul FLOPs counted from the shapes (below).
 
-XLA:CPU fuses and schedules differently from XLA:GPU (and upcasts some bf16 dots to float32): the
-temporaries here are an estimate of a GPU compile, not a measurement of one.
+* ``kernels`` / ``while_loops`` / ``conditionals``: per iteration of the program's outermost loop (a
+  decode round, an AR step; the whole program for the train step and prefill), ``bench.loop_report``.
+
+``--target cpu`` (default) compiles for 8 fake CPU devices: XLA:CPU fuses and schedules differently
+from XLA:GPU (and upcasts some bf16 dots to float32), so the temporaries are an estimate.
+``--target h200`` compiles the same programs for eight H200s with no GPU attached (jax's CUDA plugin,
+``jetspec_jax.deviceless``): XLA:GPU's own memory, kernels and control flow; ``--gpu-programs``
+adds the AR step and the budget-16 / budget-128 rounds at batch 1 and 64 (the round table of
+docs/gpu.md). Needs ``pip install "jax[cuda12]==<jax's version>" absl-py`` (about 5.5 GB).
 
   XLA_FLAGS=--xla_force_host_platform_device_count=8 python bench/aot_memory.py          # every config
   XLA_FLAGS=--xla_force_host_platform_device_count=8 python bench/aot_memory.py --configs tiny --no-decode
+  python bench/aot_memory.py --target h200 --configs qwen3_8b,qwen3_30b_a3b --gpu-programs --no-regen
 """
 from __future__ import annotations
 
@@ -38,12 +46,15 @@ import jax.numpy as jnp  # noqa: E402
 import ml_collections  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
-from jetspec_jax.bench import format_table, hlo_dot_flops, machine_info, save_results  # noqa: E402
+from jetspec_jax import deviceless  # noqa: E402
+from jetspec_jax.bench import format_table, hlo_dot_flops, loop_report, machine_info, save_results  # noqa: E402
 from jetspec_jax.config import Qwen3Config, parse_dtype  # noqa: E402
 from jetspec_jax.decode import speculative  # noqa: E402
+from jetspec_jax.decode import loop  # noqa: E402
 from jetspec_jax.decode.loop import DecodeState  # noqa: E402
 from jetspec_jax.models import draft_head, qwen3  # noqa: E402
 from jetspec_jax.sharding import make_mesh, named_sharding  # noqa: E402
+from jetspec_jax.errors import JetSpecError  # noqa: E402
 from jetspec_jax.train import runtime, trainer  # noqa: E402
 from jetspec_jax.train.config_file import load_config  # noqa: E402
 
@@ -65,6 +76,8 @@ TARGETS = {
                                  decoder_sparse_step=1),
 }
 GB = 1e9
+COLUMNS = ("config", "program", "mesh", "args_gb", "out_gb", "alias_gb", "temp_gb", "peak_gb", "hlo_tflop",
+           "hlo_vs_analytic", "kernels", "while_loops", "conditionals", "compile_s", "fits")
 
 
 def abstract_params(specs, dtype, mesh) -> dict:
@@ -91,12 +104,18 @@ def memory_row(compiled) -> dict:
   return row
 
 
-def flops_row(compiled, analytic: float, unknown_trips: int | None = None) -> dict:
+def flops_row(compiled, analytic: float, devices: int, unknown_trips: int | None = None) -> dict:
+  """FLOPs of the whole SPMD program (``devices`` copies of the per-device one); XLA:GPU's
+  ``cost_analysis`` is None on a deviceless compile (``xla_tflop`` then None)."""
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-  hlo = hlo_dot_flops(compiled.as_text(), unknown_trips) * jax.device_count()   # per-device program
-  return {"xla_tflop": float(cost.get("flops", 0.0)) * jax.device_count() / 1e12, "hlo_tflop": hlo / 1e12,
-          "analytic_tflop": analytic / 1e12, "hlo_vs_analytic": hlo / analytic}
+  text = compiled.as_text()
+  hlo = hlo_dot_flops(text, unknown_trips) * devices
+  report = loop_report(text)
+  return {"xla_tflop": float(cost.get("flops", 0.0)) * devices / 1e12 if cost else None, "hlo_tflop": hlo / 1e12,
+          "analytic_tflop": analytic / 1e12, "hlo_vs_analytic": hlo / analytic,
+          "kernels": report["kernels"], "while_loops": report["while_loops"], "conditionals": report["conditionals"],
+          "control_flow": sorted(set(report["while_ops"] + report["conditional_ops"]))}
 
 
 def layer_matmul_params(cfg: Qwen3Config, layer: int) -> int:
@@ -147,10 +166,17 @@ def decode_flops(cfg: Qwen3Config, hc, nodes: int, target_len: int, draft_len: i
   return verify + block + append + 2 * depth * h * cfg.vocab_size
 
 
-def train_case(name: str, c: ml_collections.ConfigDict, target: Qwen3Config) -> tuple[dict, dict]:
+def config_mesh(mc: ml_collections.ConfigDict, devices: tuple):
+  """The config's (data, model) mesh over ``devices`` (data = -1: all of them)."""
+  model = int(mc.model)
+  data = len(devices) // model if int(mc.data) == -1 else int(mc.data)
+  return make_mesh(data, model, devices[:data * model])
+
+
+def train_case(name: str, c: ml_collections.ConfigDict, target: Qwen3Config, devices: tuple) -> tuple[dict, dict]:
   """(table row, details) of the config's train step."""
   tc = c.train
-  mesh = trainer.build_mesh(c.mesh)
+  mesh = config_mesh(c.mesh, devices)
   target = trainer.target_layout(target, c.mesh)
   head_cfg = trainer.build_head_config(c, target, None)
   tx = trainer.optimizer_config(tc).build()
@@ -164,7 +190,7 @@ def train_case(name: str, c: ml_collections.ConfigDict, target: Qwen3Config) -> 
   t0 = time.perf_counter()
   compiled = step.lower(state, batch, target_params).compile()
   row = {"config": name, "program": "train step", "mesh": f"{mesh.shape['data']}x{mesh.shape['model']}",
-         **memory_row(compiled), **flops_row(compiled, train_flops(target, head_cfg, tc, c.data.seq_len)),
+         **memory_row(compiled), **flops_row(compiled, train_flops(target, head_cfg, tc, c.data.seq_len), mesh.size),
          "compile_s": time.perf_counter() - t0}
   details = {"batch_size": tc.batch_size, "grad_accum": tc.grad_accum, "seq_len": c.data.seq_len,
              "num_anchors": tc.num_anchors, "chunk_anchors": tc.chunk_anchors,
@@ -172,53 +198,79 @@ def train_case(name: str, c: ml_collections.ConfigDict, target: Qwen3Config) -> 
   return row, details
 
 
-def decode_case(name: str, c: ml_collections.ConfigDict, target: Qwen3Config, committed: int,
-                budget: int) -> tuple[dict, dict]:
-  """(table row, details) of the greedy speculative loop at batch 1 (bf16 weights and caches)."""
-  mesh = make_mesh(1, jax.device_count())
+def decode_case(name: str, c: ml_collections.ConfigDict, target: Qwen3Config, committed: int, budget: int,
+                devices: tuple, batch: int = 1, method: str = "accum_logp", attention: str = "xla") -> tuple[dict, dict]:
+  """(table row, details) of the greedy speculative loop at ``batch`` (bf16 weights and caches; mesh
+  1 x devices; tree ``method`` with ``budget`` nodes, width 7, the head's depth)."""
+  mesh = make_mesh(1, len(devices), devices)
   head_cfg = trainer.build_head_config(c, target, None)
-  tree = speculative.TreeConfig("accum_logp", budget, 7, head_cfg.depth)
+  tree = speculative.TreeConfig(method, budget, 7, head_cfg.depth)
   max_new = committed // 4
   target_len, draft_len = speculative.cache_lengths(committed - max_new, max_new, head_cfg, tree)
   dtype = jnp.bfloat16
   replicated = NamedSharding(mesh, P())
 
   def cache(layers, kv, length, dh):
-    shape = (1, kv, length, dh)
+    shape = (batch, kv, length, dh)
     sds = jax.ShapeDtypeStruct(shape, dtype, sharding=named_sharding(qwen3.CACHE_AXES, shape, mesh))
     return qwen3.KVCache(k=(sds,) * layers, v=(sds,) * layers)
 
   small = lambda shape, dt=jnp.int32: jax.ShapeDtypeStruct(shape, dt, sharding=replicated)
-  key = jax.eval_shape(lambda: jax.random.split(jax.random.key(0), 1))
+  key = jax.eval_shape(lambda: jax.random.split(jax.random.key(0), batch))
   base = DecodeState(cache=cache(target.num_hidden_layers, target.num_key_value_heads, target_len, target.head_dim),
-                     tokens=small((1, max_new)), num_tokens=small((1,)), last_token=small((1,)),
-                     prefix_len=small((1,)), done=small((1,), jnp.bool_), key=small(key.shape, key.dtype),
+                     tokens=small((batch, max_new)), num_tokens=small((batch,)), last_token=small((batch,)),
+                     prefix_len=small((batch,)), done=small((batch,), jnp.bool_), key=small(key.shape, key.dtype),
                      steps=small(()))
   state = speculative.SpecState(base=base, draft_cache=cache(head_cfg.num_hidden_layers, head_cfg.num_key_value_heads,
                                                              draft_len, head_cfg.head_dim),
-                                rounds=small((1,)), depth_hist=small((1, tree.depth + 1)),
-                                depth_visits=small((1, tree.depth)),
-                                rank_hits=small((1, tree.depth, tree.num_candidates)),
-                                rank_mass=small((1, tree.depth, tree.num_candidates), jnp.float32))
+                                rounds=small((batch,)), depth_hist=small((batch, tree.depth + 1)),
+                                depth_visits=small((batch, tree.depth)),
+                                rank_hits=small((batch, tree.depth, tree.num_candidates)),
+                                rank_mass=small((batch, tree.depth, tree.num_candidates), jnp.float32))
   target_params = abstract_params(qwen3.param_specs(target), dtype, mesh)
   head_params = abstract_params(draft_head.param_specs(head_cfg), dtype, mesh)
   t0 = time.perf_counter()
   compiled = speculative.spec_decode.lower(target_params, head_params, state, cfg=target, head_cfg=head_cfg,
-                                           tree_cfg=tree, eos_ids=(), mesh=mesh).compile()
-  analytic = decode_flops(target, head_cfg, tree.num_nodes(), target_len, draft_len, tree.depth)
-  row = {"config": name, "program": f"decode b{budget} (per round)", "mesh": f"1x{jax.device_count()}",
-         **memory_row(compiled), **flops_row(compiled, analytic, unknown_trips=1),
+                                           tree_cfg=tree, eos_ids=(), attn_impl=attention, mesh=mesh).compile()
+  analytic = batch * decode_flops(target, head_cfg, tree.num_nodes(), target_len, draft_len, tree.depth)
+  label = "" if method == "accum_logp" else f" {method}"
+  row = {"config": name, "program": f"decode b{budget}{label} x{batch} (per round)", "mesh": f"1x{mesh.size}",
+         **memory_row(compiled), **flops_row(compiled, analytic, mesh.size, unknown_trips=1),
          "compile_s": time.perf_counter() - t0}
   return row, {"target_cache": target_len, "draft_cache": draft_len, "nodes": tree.num_nodes()}
 
 
+def ar_case(name: str, target: Qwen3Config, committed: int, batch: int, devices: tuple,
+            attention: str = "xla") -> tuple[dict, dict]:
+  """(table row, details) of greedy AR decoding (``loop.ar_decode``, one step per round) at ``batch`` over a
+  cache of ``committed`` positions, bf16, mesh 1 x devices."""
+  mesh = make_mesh(1, len(devices), devices)
+  dtype = jnp.bfloat16
+  shape = (batch, target.num_key_value_heads, committed, target.head_dim)
+  sds = jax.ShapeDtypeStruct(shape, dtype, sharding=named_sharding(qwen3.CACHE_AXES, shape, mesh))
+  replicated = NamedSharding(mesh, P())
+  small = lambda shape, dt=jnp.int32: jax.ShapeDtypeStruct(shape, dt, sharding=replicated)
+  key = jax.eval_shape(lambda: jax.random.split(jax.random.key(0), batch))
+  state = DecodeState(cache=qwen3.KVCache(k=(sds,) * target.num_hidden_layers, v=(sds,) * target.num_hidden_layers),
+                      tokens=small((batch, committed // 4)), num_tokens=small((batch,)), last_token=small((batch,)),
+                      prefix_len=small((batch,)), done=small((batch,), jnp.bool_), key=small(key.shape, key.dtype),
+                      steps=small(()))
+  params = abstract_params(qwen3.param_specs(target), dtype, mesh)
+  t0 = time.perf_counter()
+  compiled = loop.ar_decode.lower(params, state, cfg=target, eos_ids=(), temperature=0.0, attn_impl=attention,
+                                  mesh=mesh).compile()
+  row = {"config": name, "program": f"AR step x{batch}", "mesh": f"1x{mesh.size}", **memory_row(compiled),
+         **flops_row(compiled, target_flops(target, batch, committed), mesh.size, unknown_trips=1),
+         "compile_s": time.perf_counter() - t0}
+  return row, {"cache_positions": committed, "batch": batch}
+
+
 def regen_case(name: str, c: ml_collections.ConfigDict, target: Qwen3Config, batch: int, prompt: int,
-               max_new: int) -> tuple[list[dict], dict]:
+               max_new: int, devices: tuple) -> tuple[list[dict], dict]:
   """(table rows, details) of regeneration on the config's mesh: the chunked prefill of ``batch`` prompts of
   ``prompt`` tokens (``loop.prefill_chunk``'s chunk) and one AR step over a cache of prompt + max_new
   positions (bf16 weights and cache)."""
-  from jetspec_jax.decode import loop
-  mesh = trainer.build_mesh(c.mesh)
+  mesh = config_mesh(c.mesh, devices)
   dtype, length = jnp.bfloat16, prompt + max_new
   chunk = loop.prefill_chunk(batch, target.num_attention_heads, prompt, length, mesh)
   shape = (batch, target.num_key_value_heads, length, target.head_dim)
@@ -241,9 +293,9 @@ def regen_case(name: str, c: ml_collections.ConfigDict, target: Qwen3Config, bat
   mesh_text = f"{mesh.shape['data']}x{mesh.shape['model']}"
   prefill_flops = target_flops(target, batch * prompt, length)
   rows = [{"config": name, "program": f"regen prefill b{batch} x {prompt} (chunk {chunk})", "mesh": mesh_text,
-           **memory_row(prefill), **flops_row(prefill, prefill_flops), "compile_s": t1 - t0},
+           **memory_row(prefill), **flops_row(prefill, prefill_flops, mesh.size), "compile_s": t1 - t0},
           {"config": name, "program": f"regen AR step b{batch}, cache {length}", "mesh": mesh_text,
-           **memory_row(step), **flops_row(step, target_flops(target, batch, length), unknown_trips=1),
+           **memory_row(step), **flops_row(step, target_flops(target, batch, length), mesh.size, unknown_trips=1),
            "compile_s": t2 - t1}]
   return rows, {"chunk": chunk, "cache_positions": length, "batch": batch}
 
@@ -251,6 +303,8 @@ def regen_case(name: str, c: ml_collections.ConfigDict, target: Qwen3Config, bat
 def main(argv: list[str] | None = None) -> int:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated subset of {', '.join(CONFIGS)}")
+  p.add_argument("--target", choices=("cpu", "h200"), default="cpu",
+                 help="compile for 8 fake CPU devices or for 8 H200s (no GPU needed: jax's CUDA plugin)")
   p.add_argument("--layers", type=int, default=0, help="> 0: cut every target and head to this many layers (CI)")
   p.add_argument("--no-decode", action="store_true", help="skip the speculative decode loop")
   p.add_argument("--no-regen", action="store_true", help="skip regeneration (chunked prefill and an AR step)")
@@ -258,6 +312,12 @@ def main(argv: list[str] | None = None) -> int:
   p.add_argument("--no-train", action="store_true", help="skip the train step")
   p.add_argument("--decode-len", type=int, default=4096, help="committed positions (prompt + max_new_tokens)")
   p.add_argument("--budget", type=int, default=128, help="tree node budget of the decode loop")
+  p.add_argument("--gpu-programs", action="store_true",
+                 help="for the decode configs: the AR step and the budget-16 / budget-128 rounds at batch 1 and 64, "
+                      "and the budget-128 round with the loop-free best_nodes tree (instead of the one decode row)")
+  p.add_argument("--attention", default="xla", help="attention implementation inside the decode programs")
+  p.add_argument("--moe-dispatch", choices=("auto", "loop", "gather"), default="auto",
+                 help="MoE expert dispatch (models/moe.py; auto: loop on CPU, gather on GPU)")
   p.add_argument("--budget-gb", type=float, default=80.0)
   p.add_argument("--headroom-gb", type=float, default=10.0)
   p.add_argument("--out", help="JSON path (default bench/results/aot_memory.json)")
@@ -266,41 +326,67 @@ def main(argv: list[str] | None = None) -> int:
   unknown = set(names) - set(CONFIGS)
   if unknown:
     p.error(f"unknown config(s) {', '.join(sorted(unknown))}; choose from {', '.join(CONFIGS)}")
-  if jax.device_count() != 8:
-    print(f"warning: {jax.device_count()} devices (set XLA_FLAGS=--xla_force_host_platform_device_count=8)")
-  print(f"AOT compile on {jax.device_count()} {jax.default_backend()} devices, abstract weights; per-device GB "
-        f"against {args.budget_gb:g} GB with {args.headroom_gb:g} GB headroom. XLA:CPU fuses differently from "
-        f"XLA:GPU: an estimate. FLOPs: XLA's cost_analysis counts each while body once; hlo_tflop multiplies "
-        f"loop bodies by their trip counts.", flush=True)
+  if args.target == "h200":
+    try:
+      devices = deviceless.h200_devices(8)
+    except JetSpecError as e:
+      p.error(str(e))
+    print("AOT compile for 8 H200s (deviceless: jax's CUDA plugin, no GPU), abstract weights; per-device GB "
+          f"against {args.budget_gb:g} GB with {args.headroom_gb:g} GB headroom.", flush=True)
+  else:
+    devices = tuple(jax.devices())
+    if len(devices) != 8:
+      print(f"warning: {len(devices)} devices (set XLA_FLAGS=--xla_force_host_platform_device_count=8)")
+    print(f"AOT compile on {len(devices)} {jax.default_backend()} devices, abstract weights; per-device GB "
+          f"against {args.budget_gb:g} GB with {args.headroom_gb:g} GB headroom. XLA:CPU fuses differently from "
+          f"XLA:GPU: an estimate. FLOPs: XLA's cost_analysis counts each while body once; hlo_tflop multiplies "
+          f"loop bodies by their trip counts.", flush=True)
   rows, details = [], {}
   for name in names:
     c = load_config(name)
-    target = TARGETS[name]
+    target = dataclasses.replace(TARGETS[name], moe_dispatch=args.moe_dispatch)
     if args.layers:
       target = dataclasses.replace(target, num_hidden_layers=min(args.layers, target.num_hidden_layers))
       layers = target.num_hidden_layers
       c.head.target_layer_ids = tuple(sorted({min(t, layers - 1) for t in c.head.target_layer_ids}))
       c.head.num_layers = min(c.head.num_layers, args.layers)
-    programs = [] if args.no_train else [("train", lambda: train_case(name, c, target))]
-    if name in DECODE_CONFIGS and not args.no_decode:
-      programs.append(("decode", lambda: decode_case(name, c, target, args.decode_len, args.budget)))
+    programs = [] if args.no_train else [("train", lambda: train_case(name, c, target, devices))]
+    if name in DECODE_CONFIGS and not args.no_decode and args.gpu_programs:
+      for batch in (1, 64):
+        programs.append((f"ar/x{batch}", lambda batch=batch: ar_case(name, target, args.decode_len, batch, devices,
+                                                                     args.attention)))
+        for budget in (16, 128):
+          programs.append((f"decode/b{budget}/x{batch}", lambda batch=batch, budget=budget: decode_case(
+              name, c, target, args.decode_len, budget, devices, batch, attention=args.attention)))
+      programs.append(("decode/b128/best_nodes", lambda: decode_case(name, c, target, args.decode_len, 128, devices,
+                                                                      1, "best_nodes", args.attention)))
+    elif name in DECODE_CONFIGS and not args.no_decode:
+      programs.append(("decode", lambda: decode_case(name, c, target, args.decode_len, args.budget, devices,
+                                                     attention=args.attention)))
     if name in REGEN_CONFIGS and not args.no_regen:
-      programs.append(("regen", lambda: regen_case(name, c, target, *map(int, args.regen.split(",")))))
+      programs.append(("regen", lambda: regen_case(name, c, target, *map(int, args.regen.split(",")), devices)))
     for kind, run in programs:
       new_rows, info = run()
       for row in new_rows if isinstance(new_rows, list) else [new_rows]:
         row["fits"] = row["peak_gb"] <= args.budget_gb - args.headroom_gb
         rows.append(row)
-        print(format_table(rows[-1:]), flush=True)
+        print(format_table(rows[-1:], COLUMNS), flush=True)
       details[f"{name}/{kind}"] = info
   print()
-  print(format_table(rows))
-  result = {"benchmark": NAME, "args": vars(args), "machine": machine_info(), "rows": rows, "details": details,
-            "notes": ["per-device numbers of the SPMD program; peak_gb = args + out - alias + temp",
-                      "XLA:CPU fusion and scheduling differ from XLA:GPU: temporaries are an estimate",
-                      "xla_tflop counts every while body once; hlo_tflop counts loop bodies x trip count",
-                      "decode rows are one round of the data-dependent while loop"]}
-  for path in save_results(result, args.out, NAME):
+  print(format_table(rows, COLUMNS))
+  for row in rows:
+    if row["control_flow"]:
+      print(f"{row['config']} {row['program']}: control flow per iteration from {', '.join(row['control_flow'])}")
+  compiler = "XLA:GPU for H200 (deviceless)" if args.target == "h200" else "XLA:CPU fusion and scheduling differ " \
+      "from XLA:GPU: temporaries are an estimate"
+  result = {"benchmark": NAME, "args": vars(args), "machine": machine_info(), "jax": jax.__version__, "rows": rows,
+            "details": details,
+            "notes": ["per-device numbers of the SPMD program; peak_gb = args + out - alias + temp", compiler,
+                      "xla_tflop counts every while body once (None for XLA:GPU deviceless); hlo_tflop counts loop "
+                      "bodies x trip count",
+                      "decode rows are one round of the data-dependent while loop; kernels / while_loops / "
+                      "conditionals per round (the whole program for train and prefill)"]}
+  for path in save_results(result, args.out, NAME if args.target == "cpu" else f"{NAME}_{args.target}"):
     print(f"wrote {path}")
   return 0 if all(r["fits"] for r in rows) else 1
 

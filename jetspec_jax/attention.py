@@ -11,9 +11,11 @@ Layout (shared by every implementation):
 
 Implementations: ``xla`` (reference, any backend), ``xla_chunked`` (the same numerics one block
 of ``QUERY_CHUNK`` queries at a time: its float32 scores are [B, Hkv, G, QUERY_CHUNK, S], never
-[B, Hkv, G, T, S]; for long prompts and training's frozen target) and ``pallas`` (the GPU kernel of
-``pallas_kernels.tree_attention``; ``pallas_interpret`` runs it on CPU). The choice travels as a
-static value: a name, or an ``AttentionImpl`` that also carries the kernel's launch tuning table.
+[B, Hkv, G, T, S]; for long prompts and training's frozen target), ``pallas`` (the Pallas Triton
+kernel of ``pallas_kernels.tree_attention``; ``pallas_interpret`` runs it on CPU) and ``mosaic`` (the
+Pallas Mosaic GPU kernel for Hopper, ``pallas_kernels.tree_attention_mgpu``, 16-bit inputs only;
+``mosaic_interpret`` runs it in jax >= 0.12's Mosaic GPU interpreter). The choice travels as a
+static value: a name, or an ``AttentionImpl`` that also carries the Triton kernel's launch tuning table.
 """
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ from pallas_kernels.errors import KernelError
 from pallas_kernels.reference import masked_attention, visible_keys, xla_attention
 from pallas_kernels.tuning import KernelTuning, load_tuning
 
-IMPLEMENTATIONS = ("xla", "xla_chunked", "pallas", "pallas_interpret")
+IMPLEMENTATIONS = ("xla", "xla_chunked", "pallas", "pallas_interpret", "mosaic", "mosaic_interpret")
 QUERY_CHUNK = 256   # queries per block of ``xla_chunked``
 
 
@@ -62,9 +64,9 @@ def check_available(impl: str) -> None:
   Checked where an implementation is resolved, not in ``attention``, which must still trace the
   kernel on a CPU for a CUDA lowering (``lowering_platforms=("cuda",)``)."""
   backend = jax.default_backend()
-  if impl == "pallas" and backend != "gpu":
-    raise JetSpecError(f"the pallas attention kernel needs a GPU but jax's backend is {backend}; use "
-                       f"pallas_interpret (the same kernel in interpret mode on {backend}, slow) or xla")
+  if impl in ("pallas", "mosaic") and backend != "gpu":
+    raise JetSpecError(f"the {impl} attention kernel needs a GPU but jax's backend is {backend}; use "
+                       f"{impl}_interpret (the same kernel in interpret mode on {backend}, slow) or xla")
 
 
 def chunked_attention(q, k_cache, v_cache, prefix_len, block_mask, *, sm_scale: float | None = None,
@@ -108,11 +110,15 @@ def attention(q, k_cache, v_cache, prefix_len, block_mask, *, impl: str | Attent
     return xla_attention(q, k_cache, v_cache, prefix_len, block_mask, sm_scale=sm_scale)
   if impl == "xla_chunked":
     return chunked_attention(q, k_cache, v_cache, prefix_len, block_mask, sm_scale=sm_scale)
-  if impl not in ("pallas", "pallas_interpret"):
+  if impl in ("mosaic", "mosaic_interpret"):
+    from pallas_kernels import tree_attention_mgpu as mosaic
+    fn = functools.partial(mosaic.tree_attention, sm_scale=sm_scale, interpret=impl == "mosaic_interpret")
+  elif impl in ("pallas", "pallas_interpret"):
+    from pallas_kernels import tree_attention as kernel
+    fn = functools.partial(kernel.tree_attention, sm_scale=sm_scale, interpret=impl == "pallas_interpret",
+                           tuning=tuning)
+  else:
     raise JetSpecError(f"unknown attention implementation {impl!r}; choose one of {', '.join(IMPLEMENTATIONS)}")
-  from pallas_kernels import tree_attention as kernel
-  fn = functools.partial(kernel.tree_attention, sm_scale=sm_scale, interpret=impl == "pallas_interpret",
-                         tuning=tuning)
   if mesh is not None and mesh.size > 1:
     in_specs, out_specs = _kernel_specs(mesh, q.shape[0], q.shape[2], k_cache.shape[1])
     fn = jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)

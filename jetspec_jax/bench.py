@@ -501,7 +501,18 @@ def loop_report(hlo: str) -> dict[str, Any]:
       walk(n, acc, seen)
     return acc
 
-  loops = [re.search(r"body=%([\w.\-]+)", rest).group(1) for _, _, op, rest in comps[entry] if op == "while"]
+  def outer_loops(name: str) -> list[str]:
+    """Bodies of the loops reached from ``name`` without entering a loop (through calls, async wrappers)."""
+    found = []
+    for _, _, op, rest in comps[name]:
+      if op == "while":
+        found.append(re.search(r"body=%([\w.\-]+)", rest).group(1))
+      elif op == "call" or op.startswith("async") or op.endswith("-start"):
+        for callee in _CALLEE.findall(rest):
+          found += outer_loops(callee)
+    return found
+
+  loops = outer_loops(entry)
   if not loops:
     return {"loop": False, **count([entry])}
   bodies = [count([b]) for b in loops]

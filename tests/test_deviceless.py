@@ -1,0 +1,73 @@
+"""What XLA makes of the decode programs, read from compiled HLO: ``bench.loop_report`` on CPU, and
+(where jax's CUDA plugin is installed: ``jetspec_jax.deviceless``) the programs compiled for H200s
+with no GPU attached: no while loop or conditional left in a round's body but the tree search's."""
+import dataclasses
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from jetspec_jax import deviceless
+from jetspec_jax.bench import loop_report
+from jetspec_jax.config import Qwen3Config
+from jetspec_jax.train.config_file import load_config
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench import aot_memory  # noqa: E402
+
+needs_plugin = pytest.mark.skipif(not deviceless.available(), reason="jax's CUDA plugin (jax[cuda12]) is not installed")
+
+# Qwen3-30B-A3B's structure at a compile-in-seconds size: 2 sparse layers, 16 experts, top-4.
+SMALL_MOE = Qwen3Config(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_experts=16,
+                        num_experts_per_tok=4, moe_intermediate_size=128, norm_topk_prob=True)
+
+
+def test_loop_report_counts_what_one_iteration_runs():
+  def f(x):
+    def body(c):
+      i, x = c
+      x = jax.lax.cond(x.sum() > 0, lambda x: x * 2.0, lambda x: x - 1.0, x)
+      x = jax.lax.fori_loop(0, i, lambda j, x: jnp.sin(x) + j, x)
+      return i + 1, x
+    return jax.lax.while_loop(lambda c: c[0] < 5, body, (0, x))[1]
+
+  report = loop_report(jax.jit(f).lower(jnp.ones(4)).compile().as_text())
+  assert report["loop"] and report["while_loops"] == 1 and report["conditionals"] == 1, report
+  assert report["kernels"] >= 1 and all(op.startswith("jit(f)/while/body") for op in report["while_ops"]), report
+  flat = loop_report(jax.jit(jnp.sin).lower(jnp.ones(4)).compile().as_text())
+  assert not flat["loop"] and flat["while_loops"] == flat["conditionals"] == 0
+
+
+def small_case(dispatch: str = "auto"):
+  c = load_config("qwen3_30b_a3b")
+  target = dataclasses.replace(SMALL_MOE, moe_dispatch=dispatch)
+  c.head.target_layer_ids = (0, 1)
+  c.head.num_layers = 1
+  return c, target
+
+
+@needs_plugin
+def test_moe_rounds_for_h200_keep_no_control_flow_but_the_tree_search():
+  """AR step and budget-16 rounds (accum_logp: its search loop; best_nodes: loop-free) on 2 H200s."""
+  c, target = small_case()
+  devices = deviceless.h200_devices(2)
+  ar, _ = aot_memory.ar_case("small_moe", target, 512, 1, devices)
+  assert ar["while_loops"] == 0 and ar["conditionals"] == 0 and ar["kernels"] > 0, ar
+  for batch in (1, 8):
+    spec, _ = aot_memory.decode_case("small_moe", c, target, 512, 16, devices, batch)
+    assert spec["while_loops"] == 1 and spec["conditionals"] == 0, spec
+    assert all("jetspec_tree" in op for op in spec["control_flow"]), spec["control_flow"]
+  flat, _ = aot_memory.decode_case("small_moe", c, target, 512, 16, devices, 1, "best_nodes")
+  assert flat["while_loops"] == 0 and flat["conditionals"] == 0, flat
+  assert all(r["temp_gb"] > 0 and r["args_gb"] > 0 for r in (ar, spec, flat))
+
+
+@needs_plugin
+def test_the_check_sees_the_tile_loop_dispatch():
+  """Control: with the CPU's tile loop forced, every sparse layer leaves a loop in the AR step."""
+  _, target = small_case("loop")
+  ar, _ = aot_memory.ar_case("small_moe", target, 512, 1, deviceless.h200_devices(2))
+  assert ar["while_loops"] >= target.num_hidden_layers, ar
