@@ -1,7 +1,8 @@
 """GPU check of JetSpec-JAX: speed (and the kernel's error against XLA) on the device, printed and saved as
 JSON.
 
-Kernel section: the Pallas tree-attention kernel against the XLA reference for Qwen3-8B attention
+Kernel section: the Pallas tree-attention kernels (Triton, and Mosaic GPU: ``mosaic_*`` columns) against the XLA
+reference for Qwen3-8B attention
 (B=1, 32 query heads, 8 kv heads, head_dim 128, bf16), N tree nodes x prefix length. Per row:
 error vs XLA, the prefix splits the kernel chose, kernel time with those splits and with one split
 (no flash-decoding), XLA time (each the device time per call: ``--reps`` calls inside one jitted
@@ -52,6 +53,7 @@ from pallas_kernels import kernel_tune
 from pallas_kernels.reference import xla_attention
 from pallas_kernels import tuning as kernel_tuning
 from pallas_kernels.tree_attention import launch_shapes, resolve_config, tree_attention
+from pallas_kernels import tree_attention_mgpu
 
 HBM_BYTES_PER_S = {"H200": 4.8e12, "H100": 3.35e12}   # matched against jax device_kind
 DENSE_BF16_FLOPS = {"H200": 989e12, "H100": 989e12}   # SXM tensor-core peak, no sparsity
@@ -153,13 +155,14 @@ def kernel_section(*, smoke: bool, iters: int, reps: int, unroll: int, hbm: floa
   node_counts, prefixes = SWEEP["smoke" if smoke else "full"]
   kernel = jax.jit(lambda *a: tree_attention(*a, interpret=smoke, **overrides))
   one_split = jax.jit(lambda *a: tree_attention(*a, interpret=smoke, **{**overrides, "num_splits": 1}))
+  mosaic = jax.jit(lambda *a: tree_attention_mgpu.tree_attention(*a, interpret=smoke))
   reference = jax.jit(xla_attention)
   rows = []
   for num_nodes in node_counts:
     for prefix in prefixes:
       rows.append(guarded(dict(n=num_nodes, prefix=prefix), lambda: kernel_row(
-          shape, num_nodes, prefix, kernel, one_split, reference, iters=iters, reps=reps, unroll=unroll, hbm=hbm,
-          flops_peak=flops_peak, overrides=overrides)))
+          shape, num_nodes, prefix, kernel, one_split, mosaic, reference, iters=iters, reps=reps, unroll=unroll,
+          hbm=hbm, flops_peak=flops_peak, overrides=overrides)))
       row = rows[-1]
       print(f"  kernel N={num_nodes} prefix={prefix}: " + (row.get("error") or row.get("skipped") or
             f"{row['kernel_us']:.1f} us (XLA {row['xla_us']:.1f} us)"), file=sys.stderr, flush=True)
@@ -192,9 +195,11 @@ def guarded(key: dict, measure) -> dict:
     return {**key, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"}
 
 
-def kernel_row(shape, num_nodes, prefix, kernel, one_split, reference, *, iters, reps, unroll, hbm, flops_peak,
+def kernel_row(shape, num_nodes, prefix, kernel, one_split, mosaic, reference, *, iters, reps, unroll, hbm, flops_peak,
                overrides) -> dict:
-  """One problem of the kernel sweep: errors, times, bandwidth and roofline columns."""
+  """One problem of the kernel sweep: errors, times, bandwidth and roofline columns of the Triton kernel,
+  and the Mosaic GPU kernel's error, time, HBM fraction and speed relative to the Triton kernel
+  (``mosaic_vs_triton`` > 1: Mosaic faster; ``mosaic_error`` when it cannot run here)."""
   itemsize = jnp.dtype(shape.dtype).itemsize
   args = make_inputs(shape, num_nodes, prefix, seed=1000 * num_nodes + prefix)
   out = np.asarray(kernel(*args), np.float32)
@@ -211,6 +216,14 @@ def kernel_row(shape, num_nodes, prefix, kernel, one_split, reference, *, iters,
   floors = {"memory": None if hbm is None else kv_bytes / hbm,
             "compute": None if flops_peak is None else flops / flops_peak}
   bound = max((k for k in floors if floors[k] is not None), key=floors.get, default=None)
+  try:
+    mosaic_out = np.asarray(mosaic(*args), np.float32)
+    mosaic_s = loop_seconds(mosaic, args, iters=iters, reps=reps, unroll=unroll)
+    second = dict(mosaic_rel_err=float(np.max(np.abs(mosaic_out - ref))) / float(np.max(np.abs(ref))),
+                  mosaic_us=mosaic_s * 1e6, mosaic_vs_triton=kernel_s / mosaic_s,
+                  mosaic_hbm_fraction=None if hbm is None else kv_bytes / mosaic_s / hbm)
+  except Exception as e:  # noqa: BLE001  (the Triton columns stand; the reason is recorded)
+    second = dict(mosaic_error=f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
   return dict(
       max_abs_err=max_err,
       rel_err=max_err / float(np.max(np.abs(ref))), splits=splits, kernel_us=kernel_s * 1e6,
@@ -218,7 +231,7 @@ def kernel_row(shape, num_nodes, prefix, kernel, one_split, reference, *, iters,
       speedup=xla_s / kernel_s, kv_bytes=kv_bytes, kernel_gbps=kv_bytes / kernel_s / 1e9,
       hbm_fraction=None if hbm is None else kv_bytes / kernel_s / hbm,
       bound=bound or "-", floor_us=None if bound is None else floors[bound] * 1e6,
-      roofline_fraction=None if bound is None else floors[bound] / kernel_s)
+      roofline_fraction=None if bound is None else floors[bound] / kernel_s, **second)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -456,6 +469,9 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--decode-new-tokens", type=int, default=33)
   parser.add_argument("--decode-trees", default="accum_logp,best_nodes", help="tree methods of the decode rounds")
   parser.add_argument("--skip-decode", action="store_true")
+  parser.add_argument("--decode-attention", default="",
+                      help="comma-separated attention implementations the decode section also runs (e.g. mosaic), "
+                           "after the model sections' own (pallas on a GPU)")
   parser.add_argument("--skip-phases", action="store_true")
   parser.add_argument("--skip-tune", action="store_true", help="skip the kernel's tile-size sweep")
   parser.add_argument("--tune-minutes", type=float, default=2.5,
@@ -527,18 +543,21 @@ def main(argv: list[str] | None = None) -> int:
                             kernel_tuning=impl.tuning and impl.tuning.to_json())
     write_report(report)
   if "decode" in model_sections:
-    drows = decode_section(model, max_new=args.decode_new_tokens, attn_impl=impl, budgets=budgets,
-                           methods=tuple(args.decode_trees.split(",")))
-    print(f"\njitted decode round, {model_label}, batch 1, attention {impl.name}:")
-    print(bench.format_table(drows))
-    report["decode"] = dict(layers=args.decode_layers, attention=impl.name, rows=drows)
-    write_report(report)
+    drows = []
+    for attn in [impl, *(AttentionImpl(n, tuned) for n in args.decode_attention.split(",") if n)]:
+      drows += [{"attention": attn.name, **r} for r in decode_section(
+          model, max_new=args.decode_new_tokens, attn_impl=attn, budgets=budgets,
+          methods=tuple(args.decode_trees.split(",")))]
+      print(f"\njitted decode round, {model_label}, batch 1, attention {attn.name}:")
+      print(bench.format_table([r for r in drows if r["attention"] == attn.name]))
+      report["decode"] = dict(layers=args.decode_layers, attention=impl.name, rows=drows)
+      write_report(report)
   if "profile" in model_sections:
     print(f"\nprofiled decode rounds ({args.profile_new_tokens} new tokens), per round, attention {impl.name}:")
     prows = profile_section(model, max_new=args.profile_new_tokens, attn_impl=impl,
                             budgets=tuple(int(b) for b in args.profile_budgets.split(",")))
     if "decode" in report and args.profile_new_tokens == args.decode_new_tokens:
-      lines = relate_to_unprofiled(prows, report["decode"]["rows"])
+      lines = relate_to_unprofiled(prows, [r for r in report["decode"]["rows"] if r["attention"] == impl.name])
       print("\nthe same rounds without the profiler (decode section):\n" + "\n".join(lines))
     report["profile"] = dict(layers=args.decode_layers, attention=impl.name, new_tokens=args.profile_new_tokens,
                              phases=PHASES, rows=prows)

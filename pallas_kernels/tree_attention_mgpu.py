@@ -64,7 +64,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.errors import KernelError
+from pallas_kernels.errors import KernelError, check_problem
 
 SUPPORTED_HEAD_DIMS = (64, 128)
 SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16)
@@ -329,19 +329,8 @@ def tree_attention(q, k_cache, v_cache, prefix_len, block_mask, *, sm_scale: flo
   set the launch (``launch_shapes``); ``p_from_smem`` (default: only when interpreting) stages p in
   shared memory for p @ v.
   """
-  if q.ndim != 4 or k_cache.ndim != 4:
-    raise KernelError(
-        f"expected q [B, T, Hq, Dh] and k_cache [B, Hkv, S, Dh], got {q.shape} and {k_cache.shape}.")
-  batch, num_q, num_q_heads, head_dim = q.shape
-  _, num_kv_heads, cache_len, _ = k_cache.shape
-  if k_cache.shape != v_cache.shape or k_cache.shape[0] != batch or k_cache.shape[3] != head_dim:
-    raise KernelError(f"k_cache {k_cache.shape} and v_cache {v_cache.shape} must both be "
-                      f"[B, Hkv, S, Dh] for q {q.shape}.")
-  if block_mask.shape != (batch, num_q, num_q) or prefix_len.shape != (batch,):
-    raise KernelError(f"expected block_mask [B, T, T] and prefix_len [B] for q {q.shape}, "
-                      f"got {block_mask.shape} and {prefix_len.shape}.")
-  if cache_len < num_q:
-    raise KernelError(f"the cache ({cache_len} positions) cannot hold the {num_q} new rows.")
+  batch, num_q, num_q_heads, head_dim, num_kv_heads, cache_len = check_problem(
+      q, k_cache, v_cache, prefix_len, block_mask)
   if q.dtype != k_cache.dtype or q.dtype != v_cache.dtype or q.dtype not in SUPPORTED_DTYPES:
     raise KernelError(f"the Mosaic GPU tree attention takes q, k_cache and v_cache all bfloat16 or all "
                       f"float16 (wgmma), got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}.")

@@ -3,7 +3,6 @@ backend), input errors, and a deviceless compile for an H200 (only where the CUD
 installed, e.g. ``.venv-cuda``)."""
 from __future__ import annotations
 
-import os
 import re
 import zlib
 
@@ -171,28 +170,11 @@ def test_rejects_mismatched_inputs():
     tm.tree_attention(q, k[:, :, :2], v[:, :, :2], prefix_len, mask, interpret=True)
 
 
-# XLA's GpuTargetConfig of an H200 (132 SMs, sm_90), for compiling without a GPU.
-H200_TARGET_CONFIG = """gpu_device_info { threads_per_block_limit: 1024 threads_per_warp: 32
-  shared_memory_per_block: 49152 shared_memory_per_core: 233472 threads_per_core_limit: 2048
-  core_count: 132 fpus_per_core: 128 block_dim_limit_x: 2147483647 block_dim_limit_y: 65535
-  block_dim_limit_z: 65535 memory_bandwidth: 4800000000000 l2_cache_size: 52428800
-  clock_rate_ghz: 1.98 device_memory_size: 150000000000 shared_memory_per_block_optin: 232448
-  cuda_compute_capability { major: 9 } registers_per_core_limit: 65536
-  registers_per_block_limit: 65536 }
-platform_name: "CUDA"
-dnn_version_info { major: 9 minor: 7 }
-runtime_version { major: 12 minor: 8 patch: 0 }
-device_description_str: "NVIDIA H200"
-"""
-
-
 def compile_for_h200(fn, *args):
   """``jax.jit(fn)`` compiled by XLA:GPU for an H200 on a machine without a GPU; args are
   ShapeDtypeStructs (their sharding is replaced). Needs the CUDA plugin (``jax[cuda12]``)."""
-  os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")   # read when the plugin initialises
-  from jax.experimental import topologies
-  topology = topologies.get_topology_desc(platform="cuda", target_config=H200_TARGET_CONFIG, topology="1x1x1")
-  mesh = topologies.make_mesh(topology, (1,), ("x",))
+  from jetspec_jax import deviceless
+  mesh = jax.sharding.Mesh(np.asarray(deviceless.h200_devices(1)), ("x",))
   sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
   args = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding) for a in args]
   return jax.jit(fn).lower(*args).compile()
