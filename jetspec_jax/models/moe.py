@@ -13,7 +13,8 @@ each one [T, H] x [H, I] SwiGLU against its expert's weights. Two ways to run th
   XLA:GPU every iteration and every conditional reads its predicate on the host.
 * ``gather``: no control flow. The tiles' expert weights are gathered into [C/T, H, I] and the
   tiles run as one batched SwiGLU; each token then sums its k results from the [C, H] outputs in
-  ascending expert order (a gather, no scatter-add: deterministic). Same FLOPs as ``loop`` without
+  ascending expert order (a gather, no scatter-add: deterministic). With T = 1 and every expert local
+  (few tokens: decode) the pairs are the tiles and no grouping is done. Same FLOPs as ``loop`` without
   its skipping (the static bound below), plus a copy of C/T expert weights (read, write, read:
   about 3x the weight traffic of reading in place; memory: the [C/T, H, I] copies).
 
@@ -110,6 +111,8 @@ def grouped_swiglu(tokens: jax.Array, top_w: jax.Array, top_i: jax.Array, gate: 
   c = capacity(rows, num_local, t)
   local = top_i.reshape(-1) - first_expert
   local = jnp.where((local >= 0) & (local < num_local), local, num_local)          # [N]; El: not here
+  if dispatch == "gather" and t == 1 and num_local == (num_experts or num_local):
+    return _pair_tiles(tokens, top_w, local.reshape(m, k), gate, up, down)
   order = jnp.argsort(local, stable=True)
   counts = jnp.bincount(local, length=num_local + 1)[:num_local].astype(jnp.int32)  # [El]
   tiles = -(-counts // t)
@@ -166,6 +169,24 @@ def _gathered_tiles(tokens, top_w, local, order, slot_token, tile_expert, tiles,
   out = jnp.zeros((m, h), tokens.dtype)
   for j in range(k):
     out = out + (y.at[slot[:, j]].get(mode="clip") * w[:, j, None]).astype(tokens.dtype)
+  return out
+
+
+def _pair_tiles(tokens, top_w, experts, gate, up, down):
+  """The ``gather`` dispatch when every (token, expert) pair is its own tile (T = 1, all experts local:
+  few tokens, e.g. decode): no grouping, each pair against its gathered expert weights, each token's k
+  results summed in ascending expert order. tokens [M, H], top_w / experts [M, k] -> [M, H]."""
+  m, h = tokens.shape
+  by_expert = jnp.argsort(experts, axis=1)
+  e = jnp.take_along_axis(experts, by_expert, axis=1).reshape(-1)                         # [M*k]
+  w = jnp.take_along_axis(top_w, by_expert, axis=1).astype(tokens.dtype)                 # [M, k]
+  x = jnp.repeat(tokens, experts.shape[1], axis=0)[:, None]                               # [M*k, 1, H]
+  a = jnp.einsum("gth,ghi->gti", x, gate[e])
+  b = jnp.einsum("gth,ghi->gti", x, up[e])
+  y = jnp.einsum("gti,gih->gth", jax.nn.silu(a) * b, down[e]).reshape(m, -1, h)           # [M, k, H]
+  out = jnp.zeros((m, h), tokens.dtype)
+  for j in range(experts.shape[1]):
+    out = out + (y[:, j] * w[:, j, None]).astype(tokens.dtype)
   return out
 
 
