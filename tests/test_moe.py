@@ -86,18 +86,19 @@ def test_expert_shards_sum_to_the_whole(shards, dispatch):
   np.testing.assert_allclose(sum(parts), per_expert_reference(x, top_w, top_i, gate, up, down), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("dispatch", moe.DISPATCHES)
+@pytest.mark.parametrize("dispatch,tokens", [("loop", 100), ("gather", 100), ("gather", 3)])
 @pytest.mark.parametrize("norm", [True, False])
-def test_block_matches_transformers(norm, dispatch):
-  """One sparse block with 32 experts and 200 tokens (tiles of several rows, skipped tiles) against
-  transformers' Qwen3MoeSparseMoeBlock, float32, with either dispatch."""
+def test_block_matches_transformers(norm, dispatch, tokens):
+  """One sparse block with 32 experts and 2 x 100 tokens (tiles of several rows, skipped tiles), or 2 x 3
+  (one row per tile: the gather dispatch's pair tiles), against transformers' Qwen3MoeSparseMoeBlock,
+  float32."""
   hf_cfg = hf_fixtures.hf_config("moe_norm", num_experts=32, num_experts_per_tok=4, norm_topk_prob=norm)
   block = transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock(hf_cfg).eval()
   gen = torch.Generator().manual_seed(0)
   with torch.no_grad():
     for p in block.parameters():
       p.copy_(0.3 * torch.randn(p.shape, generator=gen))
-  x = torch.randn((2, 100, hf_cfg.hidden_size), generator=gen)
+  x = torch.randn((2, tokens, hf_cfg.hidden_size), generator=gen)
   with torch.no_grad():
     ref = block(x).numpy()
   inter = hf_cfg.moe_intermediate_size
@@ -108,7 +109,7 @@ def test_block_matches_transformers(norm, dispatch):
   cfg = Qwen3Config(vocab_size=8, hidden_size=hf_cfg.hidden_size, intermediate_size=8, num_hidden_layers=1,
                     num_attention_heads=1, num_key_value_heads=1, head_dim=8, num_experts=32, num_experts_per_tok=4,
                     moe_intermediate_size=inter, norm_topk_prob=norm, moe_dispatch=dispatch)
-  assert moe.tile_rows(200 * 4, 32) > 1
+  assert (moe.tile_rows(2 * tokens * 4, 32) > 1) == (tokens == 100)
   out = jax.jit(layer_fn(cfg))(x.numpy(), params)
   np.testing.assert_allclose(out, ref, rtol=0, atol=1e-5)
 
