@@ -106,12 +106,13 @@ def memory_row(compiled) -> dict:
 
 def flops_row(compiled, analytic: float, devices: int, unknown_trips: int | None = None) -> dict:
   """FLOPs of the whole SPMD program (``devices`` copies of the per-device one); XLA:GPU's
-  ``cost_analysis`` is None on a deviceless compile (``xla_tflop`` then None)."""
+  ``cost_analysis`` is None on a deviceless compile (``xla_tflop`` then None). Kernels and control flow:
+  per iteration of the decode loop (``unknown_trips`` given: a data-dependent loop), else the whole program."""
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
   text = compiled.as_text()
   hlo = hlo_dot_flops(text, unknown_trips) * devices
-  report = loop_report(text)
+  report = loop_report(text, per_iteration=unknown_trips is not None)
   return {"xla_tflop": float(cost.get("flops", 0.0)) * devices / 1e12 if cost else None, "hlo_tflop": hlo / 1e12,
           "analytic_tflop": analytic / 1e12, "hlo_vs_analytic": hlo / analytic,
           "kernels": report["kernels"], "while_loops": report["while_loops"], "conditionals": report["conditionals"],

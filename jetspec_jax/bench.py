@@ -460,14 +460,14 @@ _KERNEL_OPS = ("fusion", "custom-call")
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 
 
-def loop_report(hlo: str) -> dict[str, Any]:
+def loop_report(hlo: str, per_iteration: bool = True) -> dict[str, Any]:
   """What a compiled program launches per iteration of its outermost loop (the decode loop's round;
-  the whole program when the entry has no loop). ``kernels``: fusions and custom calls, each counted
+  the whole program when the entry has no loop or ``per_iteration`` is False). ``kernels``: fusions and custom calls, each counted
   once however often a nested loop repeats it; ``while_loops`` / ``conditionals``: the control flow
   nested inside (on XLA:GPU each reads its predicate on the host every iteration), with the source
   op names (``*_ops``) so a remaining one can be traced to its code; ``other_ops``: the remaining
   non-trivial instructions (collectives, unfused copies, sorts, ...). On a loop-less program
-  ``loop`` is False and the counts are the entry's."""
+  ``loop`` is False and the counts are the whole program's (every loop body once)."""
   comps, entry = _computations(hlo)
   trivial = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while", "conditional", "call"}
 
@@ -512,7 +512,7 @@ def loop_report(hlo: str) -> dict[str, Any]:
           found += outer_loops(callee)
     return found
 
-  loops = outer_loops(entry)
+  loops = outer_loops(entry) if per_iteration else []
   if not loops:
     return {"loop": False, **count([entry])}
   bodies = [count([b]) for b in loops]
