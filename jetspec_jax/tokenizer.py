@@ -117,3 +117,10 @@ def load_tokenizer(path: str):
     raise JetSpecError(f"{path} holds no tokenizer files (expected one of {', '.join(TOKENIZER_MARKERS)})")
   from transformers import AutoTokenizer
   return AutoTokenizer.from_pretrained(path)
+
+
+def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
+  """The prompt ids of ``messages`` (role / content dicts) in the tokenizer's chat template, with the
+  assistant's generation prompt and thinking off (Qwen3's empty think block)."""
+  ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, enable_thinking=False, tokenize=True)
+  return list(ids["input_ids"] if hasattr(ids, "keys") else ids)

@@ -214,6 +214,17 @@ def release(state: EngineState, group: jax.Array, entry: jax.Array) -> EngineSta
   return state.replace(queue=state.queue.replace(status=state.queue.status.at[group, entry].set(EMPTY)))
 
 
+@functools.partial(jax.jit, donate_argnames=("state",))
+def drop(state: EngineState, group: jax.Array, entry: jax.Array) -> EngineState:
+  """Cancel the requests at (group, entry) [R]: their queue entries EMPTY (a QUEUED one is never admitted)
+  and the slots holding them free (``_admit`` resets a slot's rows when it takes the next request)."""
+  per = state.entry.shape[0] // state.queue.status.shape[0]
+  slot_group = jnp.arange(state.entry.shape[0]) // per
+  held = jnp.any((state.entry[:, None] == entry[None, :]) & (slot_group[:, None] == group[None, :]), axis=1)
+  return state.replace(queue=state.queue.replace(status=state.queue.status.at[group, entry].set(EMPTY)),
+                       entry=jnp.where(held, -1, state.entry))
+
+
 def _admit(s: EngineState, plan: EnginePlan, mesh=None) -> EngineState:
   """Give each free slot the queued request of its group with the lowest sequence number (per group,
   vmapped: a group's slots read only its own queue)."""
@@ -502,7 +513,8 @@ class Engine:
   """Continuous batching over ``plan.slots`` slots (AR without a head, speculative with ``head_cfg``,
   ``head_params`` and ``plan.tree``). Offline: ``run(requests)``. Segmented: ``submit`` requests, then
   ``step(rounds)`` runs at most that many rounds on device (state donated) and returns the requests
-  that finished; a host may submit more between steps."""
+  that finished; a host may submit more between steps, read the running requests' tokens (``progress``)
+  and ``cancel`` requests."""
 
   def __init__(self, target_cfg: Qwen3Config, target_params: dict, plan: EnginePlan, *,
                head_cfg: DraftConfig | None = None, head_params: dict | None = None,
@@ -618,6 +630,30 @@ class Engine:
                                finished=int(finished[i])))
     self.state = release(self.state, jnp.asarray(g_idx), jnp.asarray(e_idx))
     return out
+
+  def progress(self) -> dict[int, list[int]]:
+    """The tokens so far of every request that holds a slot (one fetch of the slots' token buffers): a
+    prefix of its final tokens ([] while its prompt is being prefilled)."""
+    if self.state is None:
+      return {}
+    entry, tokens, num = host_values((self.state.entry, self.state.tokens, self.state.num_tokens))
+    per = self.plan.slots // self.plan.groups
+    return {self._entries[b // per][int(e)]: tokens[b, :num[b]].tolist() for b, e in enumerate(entry)
+            if e >= 0 and int(e) in self._entries[b // per]}
+
+  def cancel(self, ids: Sequence[int]) -> list[int]:
+    """Stop the queued or running requests ``ids`` and free their slots and queue entries; they never
+    appear in ``step``'s results. Ids not outstanding (unknown, or already returned by ``step``) are
+    skipped. Returns the ids cancelled."""
+    wanted = set(ids)
+    hits = [(g, e, rid) for g, entries in enumerate(self._entries) for e, rid in entries.items() if rid in wanted]
+    if not hits:
+      return []
+    self.state = drop(self.state, jnp.asarray([g for g, _, _ in hits], jnp.int32),
+                      jnp.asarray([e for _, e, _ in hits], jnp.int32))
+    for g, e, _ in hits:
+      del self._entries[g][e]
+    return [rid for _, _, rid in hits]
 
   def run(self, requests: Sequence[Request]) -> EngineRun:
     """All requests through a fresh engine in one device loop; results in request order."""

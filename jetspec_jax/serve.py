@@ -1,0 +1,445 @@
+"""An OpenAI-compatible HTTP server on the continuous-batching engine (FastAPI + uvicorn).
+
+Endpoints: ``POST /v1/completions`` and ``POST /v1/chat/completions`` (the tokenizer's chat template,
+thinking off, as ``generate --chat``), each streamed as server-sent events (``data: {...}`` chunks, then
+``data: [DONE]``) or not; ``GET /v1/models``; ``GET /health``.
+
+Threads: uvicorn's event loop runs the handlers; one ``driver.Driver`` thread owns the engine and runs
+it segment by segment. A handler parses and checks its request, hands a ``Ticket`` to the driver and
+awaits the updates the driver posts to the loop (``call_soon_threadsafe``): neither side waits on the
+other. Text comes from the tokens host-side (``TextStream``): decoded incrementally, cut at the first
+stop string (the request is then cancelled in the engine), EOS ids ending the request in the engine.
+A client that disconnects cancels its request. SIGTERM: new requests get 503, the ones in flight finish
+(at most ``drain_timeout`` seconds; the rest end with an error event), then the process exits 0.
+
+Sampling (temperature, top_k, top_p) is one static configuration of the engine's program, chosen at
+start: a request may omit those fields or send the server's values; others get a 400 naming them.
+Per-request sampling would need per-row sampling parameters in the engine.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import math
+import threading
+import time
+import uuid
+from typing import AsyncIterator, Callable
+
+import uvicorn
+from fastapi import FastAPI, Request as HttpRequest
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from jetspec_jax.decode.engine import Request, check_requests
+from jetspec_jax.driver import Driver, Ticket
+from jetspec_jax.errors import JetSpecError
+from jetspec_jax.tokenizer import chat_prompt_ids
+
+MAX_STOP = 4                   # stop strings per request, as OpenAI allows
+DISCONNECT_POLL_S = 0.5        # a non-streaming handler checks this often whether its client left
+# Fields this server does not implement, with the values that ask for nothing (accepted).
+UNSUPPORTED = {"logprobs": (None, False), "top_logprobs": (None, 0), "best_of": (None, 1), "echo": (None, False),
+               "suffix": (None, ""), "tools": (None, []), "logit_bias": (None, {})}
+
+
+class ApiError(JetSpecError):
+  """A request the server refuses: HTTP ``status`` and an OpenAI-style error body."""
+
+  def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None):
+    super().__init__(message)
+    self.status, self.type, self.param, self.code = status, type, param, code
+
+  def body(self) -> dict:
+    return {"error": {"message": str(self), "type": self.type, "param": self.param, "code": self.code}}
+
+
+class TextStream:
+  """Tokens -> text, incrementally: ``feed`` returns the text that is safe to send (no partial UTF-8
+  character, nothing that may begin a stop string); after the first stop string the text ends before it,
+  ``stopped`` is set and ``used`` counts the tokens that produced it. ``flush`` returns the rest."""
+
+  def __init__(self, tokenizer, stop: list[str]):
+    self.tokenizer, self.stop = tokenizer, stop
+    self.tokens: list[int] = []
+    self.text = ""
+    self.sent = 0
+    self.stopped = False
+    self.used = 0
+
+  def feed(self, tokens: list[int]) -> str:
+    for i, t in enumerate(tokens):             # one decode per token only when a stop string is to be found
+      if self.stopped:
+        break
+      self.tokens.append(t)
+      if self.stop or i == len(tokens) - 1:
+        self._decode()
+    return self._take(self._held())
+
+  def flush(self) -> str:
+    """The text not sent yet, a trailing partial character included (the tokens are final)."""
+    if not self.stopped:
+      self._decode(final=True)
+    return self._take(0)
+
+  def _decode(self, final: bool = False) -> None:
+    text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+    if text.endswith("\ufffd") and not final:   # a character split over tokens: wait for the rest
+      return
+    cut = min((i for i in (text.find(s, max(self.sent - len(s), 0)) for s in self.stop) if i >= 0), default=-1)
+    if cut >= 0:
+      text, self.stopped, self.used = text[:cut], True, len(self.tokens)
+    self.text = text
+
+  def _held(self) -> int:
+    """Characters at the end that may begin a stop string (kept back until the next tokens decide)."""
+    if self.stopped:
+      return 0
+    tail = self.text[self.sent:]
+    return max((k for s in self.stop for k in range(min(len(s) - 1, len(tail)), 0, -1) if tail.endswith(s[:k])),
+               default=0)
+
+  def _take(self, held: int) -> str:
+    end = len(self.text) - held
+    out, self.sent = self.text[self.sent:end], max(self.sent, end)
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+  """A checked request: prompt ids and how to run and answer it."""
+  prompt: list[int]
+  max_tokens: int
+  seed: int | None
+  stop: list[str]
+  stream: bool
+  include_usage: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class Event:
+  """One update of a running job: new text, and at the end the finish reason and completion tokens."""
+  text: str
+  finish_reason: str | None = None
+  completion_tokens: int = 0
+
+
+class Service:
+  """What the endpoints serve: the driver (started), tokenizer, model name, the engine's sampling and
+  EOS ids. ``draining``: set on SIGTERM, new requests get 503."""
+
+  def __init__(self, driver: Driver, tokenizer, model_name: str, *, completion_default_tokens: int = 16):
+    engine = driver.engine
+    self.driver, self.tokenizer, self.model_name = driver, tokenizer, model_name
+    self.cfg, self.plan, self.sampling, self.eos = engine.cfg, engine.plan, engine.sampling, set(engine.eos)
+    self.completion_default_tokens = completion_default_tokens
+    self.draining = False
+    self.created = int(time.time())
+
+  # ----- request checks -----------------------------------------------------------------------------
+
+  def check_model(self, body: dict) -> None:
+    model = body.get("model")
+    if model is None:
+      raise ApiError(400, "the request needs a model field; this server serves "
+                          f"{self.model_name!r}", param="model", code="missing_required_parameter")
+    if model != self.model_name:
+      raise ApiError(404, f"the model {model!r} does not exist on this server; use {self.model_name!r} "
+                          f"(GET /v1/models)", param="model", code="model_not_found")
+
+  def job(self, body: dict, prompt: list[int], *, chat: bool) -> Job:
+    """Check the fields both endpoints share (n, sampling, seed, stop, max_tokens, stream) and the prompt's
+    fit in a slot."""
+    n = body.get("n", 1)
+    if n is not None and n != 1:
+      raise ApiError(400, f"n must be 1 on this server (one completion per request), got {n!r}", param="n")
+    for field, neutral in UNSUPPORTED.items():
+      if body.get(field) not in neutral:
+        raise ApiError(400, f"{field} is not supported by this server; leave it out", param=field)
+    self._check_sampling(body)
+    seed = body.get("seed")
+    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or not -2 ** 63 <= seed < 2 ** 63):
+      raise ApiError(400, f"seed must be a signed 64-bit integer, got {seed!r}", param="seed")
+    stop = self._stop(body.get("stop"))
+    key = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
+    default = self.plan.max_new_tokens if chat else min(self.completion_default_tokens, self.plan.max_new_tokens)
+    max_tokens = body.get(key)
+    max_tokens = default if max_tokens is None else max_tokens
+    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+      raise ApiError(400, f"{key} must be a positive integer, got {max_tokens!r}", param=key)
+    stream = body.get("stream") or False
+    if not isinstance(stream, bool):
+      raise ApiError(400, f"stream must be true or false, got {stream!r}", param="stream")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+      raise ApiError(400, "stream_options must be an object such as {\"include_usage\": true}", param="stream_options")
+    self._fits(prompt, max_tokens, "messages" if chat else "prompt", key)
+    return Job(prompt=prompt, max_tokens=max_tokens, seed=seed, stop=stop, stream=stream,
+               include_usage=bool(options.get("include_usage")))
+
+  def _check_sampling(self, body: dict) -> None:
+    s = self.sampling
+    values = {}
+    for field in ("temperature", "top_p", "top_k"):
+      v = body.get(field)
+      if v is None:
+        continue
+      if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise ApiError(400, f"{field} must be a number, got {v!r}", param=field)
+      values[field] = v
+    greedy = values.get("temperature", s.temperature) == 0
+    if s.greedy and greedy:                    # greedy decoding ignores top_p and top_k
+      return
+    for field, v in values.items():
+      if not math.isclose(v, getattr(s, field), rel_tol=1e-6, abs_tol=1e-9):
+        raise ApiError(400, f"{field} {v} differs from this server's sampling (temperature {s.temperature:g}, "
+                            f"top_p {s.top_p:g}, top_k {s.top_k}), which is fixed when it starts (jetspec-jax "
+                            f"serve --temperature/--top-p/--top-k); leave {field} out or send the server's value",
+                       param=field, code="unsupported_value")
+
+  @staticmethod
+  def _stop(stop) -> list[str]:
+    stop = [stop] if isinstance(stop, str) else [] if stop is None else stop
+    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop) or len(stop) > MAX_STOP:
+      raise ApiError(400, f"stop must be a string or a list of at most {MAX_STOP} strings", param="stop")
+    return [s for s in stop if s]
+
+  def _fits(self, prompt: list[int], max_tokens: int, param: str, tokens_param: str) -> None:
+    if not prompt:
+      raise ApiError(400, "the prompt is empty; send at least one token", param=param)
+    p = self.plan
+    if len(prompt) > p.max_prompt:
+      raise ApiError(400, f"the prompt has {len(prompt)} tokens, more than this server's {p.max_prompt} "
+                          f"(jetspec-jax serve --max-prompt); shorten it", param=param, code="context_length_exceeded")
+    if max_tokens > p.max_new_tokens:
+      raise ApiError(400, f"{tokens_param} {max_tokens} is more than this server's {p.max_new_tokens} "
+                          f"(jetspec-jax serve --max-tokens); ask for fewer", param=tokens_param,
+                     code="context_length_exceeded")
+    try:
+      check_requests([Request(prompt, max_tokens)], self.cfg, p)
+    except JetSpecError as e:
+      raise ApiError(400, str(e).removeprefix("request 0: "), param=param) from None
+
+  def completion_prompt(self, body: dict) -> list[int]:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+      prompt = prompt[0]                       # a batch of one
+    if isinstance(prompt, str):
+      return self.tokenizer.encode(prompt, add_special_tokens=False)
+    if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+      return prompt
+    raise ApiError(400, "prompt must be a string or a list of token ids (one prompt per request)", param="prompt")
+
+  def chat_prompt(self, body: dict) -> list[int]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+      raise ApiError(400, "messages must be a non-empty list of {role, content} objects", param="messages")
+    plain = []
+    for i, m in enumerate(messages):
+      content = m.get("content") if isinstance(m, dict) else None
+      if isinstance(content, list):              # content parts: text only
+        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                   for p in content):
+          raise ApiError(400, f"messages[{i}].content has a part that is not text; this server reads text only",
+                         param=f"messages[{i}].content")
+        content = "".join(p["text"] for p in content)
+      if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant") or not isinstance(content,
+                                                                                                          str):
+        raise ApiError(400, f"messages[{i}] must have a role (system, user or assistant) and text content",
+                       param=f"messages[{i}]")
+      plain.append({"role": m["role"], "content": content})
+    return chat_prompt_ids(self.tokenizer, plain)
+
+  # ----- running -----------------------------------------------------------------------------------
+
+  def check_open(self) -> None:
+    if self.draining:
+      raise ApiError(503, "the server is shutting down and takes no new requests; send it to another server",
+                     type="service_unavailable", code="shutting_down")
+    if self.driver.error is not None:
+      raise ApiError(503, self.driver.error, type="server_error", code="engine_failed")
+
+  async def events(self, job: Job, disconnected: Callable[[], "asyncio.Future[bool]"] | None = None
+                   ) -> AsyncIterator[Event]:
+    """Runs ``job`` in the engine and yields its text as it comes; the last event has the finish reason.
+    Leaving early (or a disconnect, polled with ``disconnected`` while waiting) cancels the request."""
+    import jax
+    loop = asyncio.get_running_loop()
+    updates: asyncio.Queue = asyncio.Queue()
+
+    def publish(tokens, done, error):
+      try:
+        loop.call_soon_threadsafe(updates.put_nowait, (tokens, done, error))
+      except RuntimeError:                     # the loop closed: nobody is listening any more
+        pass
+
+    key = None if job.seed is None else jax.random.key(job.seed)
+    ticket = self.driver.submit(Ticket(Request(job.prompt, job.max_tokens, key), publish))
+    text = TextStream(self.tokenizer, job.stop)
+    checked = time.monotonic()
+    try:
+      while True:
+        if disconnected is None:
+          tokens, done, error = await updates.get()
+        else:
+          try:
+            tokens, done, error = await asyncio.wait_for(updates.get(), DISCONNECT_POLL_S)
+          except asyncio.TimeoutError:
+            tokens = None
+          if time.monotonic() - checked >= DISCONNECT_POLL_S:
+            checked = time.monotonic()
+            if await disconnected():
+              return
+          if tokens is None:
+            continue
+        if error is not None:
+          raise ApiError(503, error, type="server_error", code="request_ended")
+        eos = done and bool(tokens) and tokens[-1] in self.eos
+        new = tokens[len(text.tokens):len(tokens) - eos]
+        delta = text.feed(new)
+        if text.stopped:
+          yield Event(delta, "stop", text.used)
+          return
+        if done:
+          yield Event(delta + text.flush(), "stop" if eos else "length", len(tokens))
+          return
+        if delta:
+          yield Event(delta)
+    finally:
+      if not ticket.done:
+        self.driver.cancel(ticket)
+
+
+def _usage(prompt: int, completion: int) -> dict:
+  return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def create_app(service: Service):
+  """The FastAPI application of ``service``."""
+  app = FastAPI(title="jetspec-jax", docs_url=None, redoc_url=None, openapi_url=None)
+
+  @app.exception_handler(ApiError)
+  async def api_error(_, e: ApiError):
+    return JSONResponse(e.body(), status_code=e.status)
+
+  @app.exception_handler(HTTPException)
+  async def http_error(_, e: HTTPException):
+    return JSONResponse(ApiError(e.status_code, f"{e.detail}: see GET /v1/models and POST /v1/completions or "
+                                                "/v1/chat/completions").body(), status_code=e.status_code)
+
+  async def body_of(request: HttpRequest) -> dict:
+    raw = await request.body()
+    try:
+      body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+      raise ApiError(400, f"the request body is not valid JSON ({e}); send one JSON object") from None
+    if not isinstance(body, dict):
+      raise ApiError(400, "the request body must be a JSON object")
+    return body
+
+  async def answer(request: HttpRequest, chat: bool):
+    service.check_open()
+    body = await body_of(request)
+    service.check_model(body)
+    prompt = service.chat_prompt(body) if chat else service.completion_prompt(body)
+    job = service.job(body, prompt, chat=chat)
+    rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    head = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+            "model": service.model_name}
+    if not job.stream:
+      parts, last = [], None
+      async for ev in service.events(job, request.is_disconnected):
+        parts.append(ev.text)
+        last = ev
+      if last is None:                         # the client left
+        return JSONResponse({}, status_code=499)
+      text = "".join(parts)
+      choice = ({"index": 0, "message": {"role": "assistant", "content": text}} if chat
+                else {"index": 0, "text": text})
+      return {**head, "choices": [{**choice, "logprobs": None, "finish_reason": last.finish_reason}],
+              "usage": _usage(len(prompt), last.completion_tokens)}
+
+    head["object"] = "chat.completion.chunk" if chat else "text_completion"
+
+    def chunk(text: str | None, finish: str | None, first: bool = False) -> str:
+      if chat:
+        delta = ({"role": "assistant", "content": ""} if first else {} if text is None else {"content": text})
+        choice = {"index": 0, "delta": delta}
+      else:
+        choice = {"index": 0, "text": text or ""}
+      return f"data: {json.dumps({**head, 'choices': [{**choice, 'logprobs': None, 'finish_reason': finish}]})}\n\n"
+
+    async def stream():
+      if chat:
+        yield chunk(None, None, first=True)
+      try:
+        async for ev in service.events(job):
+          if ev.text:
+            yield chunk(ev.text, None)
+          if ev.finish_reason is not None:
+            yield chunk(None, ev.finish_reason)
+            if job.include_usage:
+              usage = _usage(len(prompt), ev.completion_tokens)
+              yield f"data: {json.dumps({**head, 'choices': [], 'usage': usage})}\n\n"
+      except ApiError as e:
+        yield f"data: {json.dumps(e.body())}\n\n"
+      yield "data: [DONE]\n\n"
+
+    return StreamingResponse(stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+  @app.post("/v1/completions")
+  async def completions(request: HttpRequest):
+    return await answer(request, chat=False)
+
+  @app.post("/v1/chat/completions")
+  async def chat_completions(request: HttpRequest):
+    return await answer(request, chat=True)
+
+  @app.get("/v1/models")
+  async def models():
+    p = service.plan
+    return {"object": "list", "data": [{"id": service.model_name, "object": "model", "created": service.created,
+                                        "owned_by": "jetspec-jax", "max_prompt_tokens": p.max_prompt,
+                                        "max_tokens": p.max_new_tokens}]}
+
+  @app.get("/health")
+  async def health():
+    ok = not service.draining and service.driver.error is None
+    status = "ok" if ok else "draining" if service.draining else "failed"
+    d = service.driver
+    return JSONResponse({"status": status, "outstanding": d.outstanding(), "segments": d.segments,
+                         "cancelled": d.cancelled}, status_code=200 if ok else 503)
+
+  return app
+
+
+def make_server(service: Service, host: str, port: int, *, drain_timeout: float = 30.0,
+                on_ready: Callable[[str], None] = lambda url: None, log_level: str = "warning"):
+  """A uvicorn server for ``service`` on host:port: ``run()`` serves until SIGTERM / SIGINT (module
+  docstring; ``handle_exit`` starts the drain) or ``should_exit``, calling ``on_ready(url)`` once listening
+  (port 0: a free port)."""
+  class Server(uvicorn.Server):
+    drainer: threading.Thread | None = None
+
+    async def startup(self, sockets=None):
+      await super().startup(sockets)
+      if self.started:
+        bound = self.servers[0].sockets[0].getsockname()
+        on_ready(f"http://{host}:{bound[1]}")
+
+    def handle_exit(self, sig, frame):
+      if self.drainer is not None:             # a second signal: uvicorn's own (exit now)
+        return super().handle_exit(sig, frame)
+      service.draining = True
+      self.drainer = threading.Thread(target=self._drain, name="jetspec-drain", daemon=True)
+      self.drainer.start()
+
+    def _drain(self):
+      service.driver.drain(drain_timeout)
+      self.should_exit = True
+
+  config = uvicorn.Config(create_app(service), host=host, port=port, log_level=log_level, lifespan="off",
+                          timeout_graceful_shutdown=5)
+  return Server(config)
