@@ -33,6 +33,12 @@ from pallas_kernels.reference import masked_attention, visible_keys, xla_attenti
 from pallas_kernels.tuning import KernelTuning, load_tuning
 
 IMPLEMENTATIONS = ("xla", "xla_chunked", "pallas", "pallas_interpret", "mosaic", "mosaic_interpret")
+CACHE_ROWS_MULTIPLE = 8   # KV cache lengths: the Mosaic GPU kernel's TMA boxes start at multiples of 8 rows
+
+
+def cache_rows(rows: int) -> int:
+  """A KV cache length holding ``rows`` rows: rounded up to ``CACHE_ROWS_MULTIPLE``."""
+  return -(-rows // CACHE_ROWS_MULTIPLE) * CACHE_ROWS_MULTIPLE
 QUERY_CHUNK = 256   # queries per block of ``xla_chunked``
 
 

@@ -9,7 +9,8 @@ Same contract as ``pallas_kernels.reference.xla_attention`` and the Triton kerne
   block_mask [B, T, T] bool   query i may see new key t; the diagonal is True
   returns    [B, T, Hq, Dh]   in q.dtype; scores, softmax and accumulation in float32.
 Only bfloat16 and float16 are taken (wgmma multiplies 16-bit operands); float32 inputs raise
-``KernelError`` (cast them, or use the Triton or XLA path).
+``KernelError`` (cast them, or use the Triton or XLA path). S must be a multiple of 8
+(``CACHE_ROWS_MULTIPLE``; the decode loops allocate caches so: ``jetspec_jax.attention.cache_rows``).
 
 Tiles. One warpgroup per program owns a tile of ``BLOCK_R`` = 64 rows (wgmma's M): the GQA group
 and the T query rows folded together, row r = t * group + g (query head kv_head * group + g, node
@@ -71,6 +72,7 @@ SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16)
 SUPPORTED_BLOCK_K = (64, 128)
 BLOCK_R = 64                # rows per tile: one warpgroup, wgmma's M
 MASK_BITS = 32              # ancestor-mask bits per int32 word
+CACHE_ROWS_MULTIPLE = 8     # a TMA box of k/v rows starts at a multiple of 8 rows (Mosaic GPU's layout rule)
 _WORD_SHIFT = 5             # log2(MASK_BITS)
 NUM_SMS = 132               # H100 / H200
 MAX_STAGES = 4              # k/v ring slots: 4 x 32 KiB in flight per SM covers HBM latency
@@ -331,6 +333,9 @@ def tree_attention(q, k_cache, v_cache, prefix_len, block_mask, *, sm_scale: flo
   """
   batch, num_q, num_q_heads, head_dim, num_kv_heads, cache_len = check_problem(
       q, k_cache, v_cache, prefix_len, block_mask)
+  if cache_len % CACHE_ROWS_MULTIPLE:
+    raise KernelError(f"the Mosaic GPU kernel needs a cache length that is a multiple of {CACHE_ROWS_MULTIPLE} "
+                      f"(its TMA boxes start at multiples of {CACHE_ROWS_MULTIPLE} rows), got {cache_len}.")
   if q.dtype != k_cache.dtype or q.dtype != v_cache.dtype or q.dtype not in SUPPORTED_DTYPES:
     raise KernelError(f"the Mosaic GPU tree attention takes q, k_cache and v_cache all bfloat16 or all "
                       f"float16 (wgmma), got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}.")

@@ -15,7 +15,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels import tree_attention_mgpu as tm
 from pallas_kernels.errors import KernelError
 from pallas_kernels.reference import xla_attention
-from test_tree_attention import _problem, _rel_err
+from test_tree_attention import _problem as _any_problem, _rel_err
 
 MOSAIC_CALL = "mosaic_gpu_v2"
 interpreter = pytest.mark.skipif(not hasattr(plgpu, "InterpretGPUParams"),
@@ -23,7 +23,7 @@ interpreter = pytest.mark.skipif(not hasattr(plgpu, "InterpretGPUParams"),
 TOLERANCE = 1e-2                 # bfloat16 / float16 inputs, float32 softmax (as the Triton tests)
 
 # (num_q, group, prefix per batch row, tree, head_dim, dtype): every N, group, prefix length and tree
-# shape of the Triton kernel's cases, in both 16-bit dtypes; the caches are 15 to 1265 positions
+# shape of the Triton kernel's cases, in both 16-bit dtypes; the caches are 16 to 1272 positions
 # (shorter than a key block, and lengths that are not a multiple of it).
 CASES = [
     (1, 4, (1000, 0), "chain", 128, jnp.bfloat16),
@@ -36,6 +36,19 @@ CASES = [
     (100, 8, (127, 0), "star", 64, jnp.bfloat16),
     (256, 4, (1000, 1), "random", 128, jnp.bfloat16),
 ]
+
+
+def _problem(seed, *, num_q, prefixes, slack=9, **kw):
+  """``test_tree_attention._problem`` with the cache length rounded up to the kernel's multiple of 8 rows."""
+  slack += -(max(prefixes) + num_q + slack) % tm.CACHE_ROWS_MULTIPLE
+  return _any_problem(seed, num_q=num_q, prefixes=prefixes, slack=slack, **kw)
+
+
+def test_rejects_a_cache_length_off_the_row_multiple():
+  q, k, v, prefix_len, mask = _any_problem(1, num_q=3, group=2, prefixes=(4,), tree="chain", head_dim=64,
+                                           dtype=jnp.bfloat16, slack=6)
+  with pytest.raises(KernelError, match="multiple of 8"):
+    tm.tree_attention(q, k, v, prefix_len, mask, interpret=True)
 
 
 def _case_id(case) -> str:
@@ -244,3 +257,15 @@ def test_interpret_mode_needs_jax_0_12():
   args = _problem(1, num_q=4, group=2, prefixes=(8,), tree="chain", head_dim=64, dtype=jnp.bfloat16)
   with pytest.raises(KernelError, match="jax >= 0.12"):
     tm.tree_attention(*args, interpret=True)
+
+
+@pytest.mark.parametrize("num_q", [1, 16])
+def test_compiles_for_h200_at_a_decode_shard_shape(num_q):
+  """One tensor-parallel shard of Qwen3-8B decoding (4 query heads, 1 kv head) over a cache whose length is a
+  multiple of 8 but not of the key block (the last block shifted back), as the decode loops allocate."""
+  pytest.importorskip("jax_plugins.xla_cuda12", reason="compiling for an H200 needs the CUDA plugin (jax[cuda12])")
+  spec = jax.ShapeDtypeStruct
+  cache = spec((1, 1, 4104, 128), jnp.bfloat16)
+  args = (spec((1, num_q, 4, 128), jnp.bfloat16), cache, cache, spec((1,), jnp.int32), spec((1, num_q, num_q), jnp.bool_))
+  compiled = compile_for_h200(tm.tree_attention, *args)
+  assert re.findall(r'custom_call_target="([^"]+)"', compiled.as_text()) == [MOSAIC_CALL]

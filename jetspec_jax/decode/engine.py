@@ -39,6 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jetspec_jax.attention import cache_rows
 from jetspec_jax.config import Qwen3Config
 from jetspec_jax.distributed import host_values
 from jetspec_jax.decode import budget, sampling, verify
@@ -99,8 +100,8 @@ class EnginePlan:
     """(target, draft) cache rows per slot: a full request plus one round's scratch rows."""
     committed = self.max_prompt + self.max_new_tokens
     scratch = max(self.nodes, self.prefill_rows)
-    draft = 0 if head_cfg is None else committed + max(head_cfg.block_size, scratch)
-    return committed + scratch, draft
+    draft = 0 if head_cfg is None else cache_rows(committed + max(head_cfg.block_size, scratch))
+    return cache_rows(committed + scratch), draft
 
   def validate(self, mesh=None) -> None:
     g = self.groups

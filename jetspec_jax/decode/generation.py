@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jetspec_jax.attention import cache_rows
 from jetspec_jax.config import Qwen3Config
 from jetspec_jax.decode import loop, sampling, speculative
 from jetspec_jax.decode.profile import AcceptanceProfile
@@ -151,7 +152,7 @@ class Generator:
     if self.speculative:
       target_len, draft_len = speculative.cache_lengths(tokens.shape[1], max_new_tokens, self.head_cfg, self.tree)
     else:
-      target_len = tokens.shape[1] + max_new_tokens
+      target_len = cache_rows(tokens.shape[1] + max_new_tokens)
     cache = qwen3.init_cache(self.cfg, batch, target_len, self.cache_dtype, self.mesh)
     taps_at = self.head_cfg.target_layer_ids if self.speculative else ()
     key = jax.random.key(self.sampling.seed) if key is None else key

@@ -30,6 +30,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from jetspec_jax.attention import cache_rows
 from jetspec_jax.config import Qwen3Config
 from jetspec_jax.decode import sampling, verify
 from jetspec_jax.decode.loop import DecodeState, commit_tokens
@@ -256,6 +257,7 @@ def spec_decode(target_params, head_params, state: SpecState, *, cfg: Qwen3Confi
 
 
 def cache_lengths(prompt_len: int, max_new_tokens: int, head_cfg: DraftConfig, tree_cfg: TreeConfig):
-  """(target, draft) cache sizes: committed rows plus the round's scratch rows."""
+  """(target, draft) cache sizes: committed rows plus the round's scratch rows (``attention.cache_rows``)."""
   committed = prompt_len + max_new_tokens
-  return committed + tree_cfg.num_nodes() + 1, committed + max(head_cfg.block_size, tree_cfg.depth + 1) + 1
+  return (cache_rows(committed + tree_cfg.num_nodes() + 1),
+          cache_rows(committed + max(head_cfg.block_size, tree_cfg.depth + 1) + 1))
