@@ -24,3 +24,12 @@ def check_problem(q, k_cache, v_cache, prefix_len, block_mask) -> tuple[int, int
   if cache_len < num_q:
     raise KernelError(f"the cache ({cache_len} positions) cannot hold the {num_q} new rows.")
   return batch, num_q, num_q_heads, head_dim, num_kv_heads, cache_len
+
+
+def check_heads(batch: int, num_q: int, num_q_heads: int, num_kv_heads: int) -> None:
+  """Raise ``KernelError`` unless there is a batch row and a query and the query heads are a multiple of
+  the kv heads."""
+  if num_kv_heads < 1 or num_q_heads % num_kv_heads:
+    raise KernelError(f"query heads ({num_q_heads}) must be a multiple of kv heads ({num_kv_heads}).")
+  if batch < 1 or num_q < 1:
+    raise KernelError(f"tree attention needs a batch row and a query, got B={batch}, T={num_q}.")

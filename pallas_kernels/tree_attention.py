@@ -45,7 +45,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.errors import KernelError, check_problem
+from pallas_kernels.errors import KernelError, check_heads, check_problem
 from pallas_kernels.tuning import DEFAULT_TUNING, KernelTuning, LaunchConfig
 
 SUPPORTED_HEAD_DIMS = (64, 128)
@@ -118,10 +118,7 @@ def launch_shapes(batch: int, num_q: int, num_q_heads: int, num_kv_heads: int, h
   """
   if head_dim not in SUPPORTED_HEAD_DIMS:
     raise KernelError(f"tree attention supports head_dim {SUPPORTED_HEAD_DIMS}, not {head_dim}; use --attention xla.")
-  if num_kv_heads < 1 or num_q_heads % num_kv_heads:
-    raise KernelError(f"query heads ({num_q_heads}) must be a multiple of kv heads ({num_kv_heads}).")
-  if batch < 1 or num_q < 1:
-    raise KernelError(f"tree attention needs a batch row and a query, got B={batch}, T={num_q}.")
+  check_heads(batch, num_q, num_q_heads, num_kv_heads)
   for name, value in (("block_r", block_r), ("block_k", block_k)):
     if not _is_pow2(value) or value < MIN_DOT_DIM:
       raise KernelError(f"{name}={value} must be a power of two >= {MIN_DOT_DIM}.")

@@ -1,15 +1,10 @@
 """Tree-masked attention over a KV cache: a Pallas Mosaic GPU kernel for Hopper (TMA + wgmma).
 
 Same contract as ``pallas_kernels.reference.xla_attention`` and the Triton kernel
-``pallas_kernels.tree_attention``:
-  q          [B, T, Hq, Dh]   T new rows (tree nodes, one decode token, or a prompt chunk)
-  k_cache    [B, Hkv, S, Dh]  the new rows' own keys/values already written at cache
-  v_cache    [B, Hkv, S, Dh]  positions prefix_len[b] + t, t < T (so prefix_len[b] + T <= S)
-  prefix_len [B] int32        committed keys 0..prefix_len[b]-1 are visible to every query
-  block_mask [B, T, T] bool   query i may see new key t; the diagonal is True
-  returns    [B, T, Hq, Dh]   in q.dtype; scores, softmax and accumulation in float32.
-Only bfloat16 and float16 are taken (wgmma multiplies 16-bit operands); float32 inputs raise
-``KernelError`` (cast them, or use the Triton or XLA path). S must be a multiple of 8
+``pallas_kernels.tree_attention`` (q [B, T, Hq, Dh] over k_cache / v_cache [B, Hkv, S, Dh] with the T new
+rows' keys at prefix_len[b] + t, prefix_len [B], block_mask [B, T, T] -> [B, T, Hq, Dh] in q.dtype; scores,
+softmax and accumulation in float32). Only bfloat16 and float16 are taken (wgmma multiplies 16-bit
+operands); float32 inputs raise ``KernelError`` (cast them, or use the Triton or XLA path). S must be a multiple of 8
 (``CACHE_ROWS_MULTIPLE``; the decode loops allocate caches so: ``jetspec_jax.attention.cache_rows``).
 
 Tiles. One warpgroup per program owns a tile of ``BLOCK_R`` = 64 rows (wgmma's M): the GQA group
@@ -65,7 +60,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.errors import KernelError, check_problem
+from pallas_kernels.errors import KernelError, check_heads, check_problem
 
 SUPPORTED_HEAD_DIMS = (64, 128)
 SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16)
@@ -124,10 +119,7 @@ def launch_shapes(batch: int, num_q: int, num_q_heads: int, num_kv_heads: int, h
   """
   if head_dim not in SUPPORTED_HEAD_DIMS:
     raise KernelError(f"the Mosaic GPU tree attention supports head_dim {SUPPORTED_HEAD_DIMS}, not {head_dim}.")
-  if num_kv_heads < 1 or num_q_heads % num_kv_heads:
-    raise KernelError(f"query heads ({num_q_heads}) must be a multiple of kv heads ({num_kv_heads}).")
-  if batch < 1 or num_q < 1:
-    raise KernelError(f"tree attention needs a batch row and a query, got B={batch}, T={num_q}.")
+  check_heads(batch, num_q, num_q_heads, num_kv_heads)
   if block_k not in SUPPORTED_BLOCK_K:
     raise KernelError(f"block_k={block_k} must be one of {SUPPORTED_BLOCK_K}.")
   if (num_stages is not None and num_stages < 1) or (num_splits is not None and num_splits < 1):
