@@ -155,9 +155,7 @@ def _gathered_tiles(tokens, top_w, local, order, slot_token, tile_expert, tiles,
   m, h = tokens.shape
   num_local, k = gate.shape[0], top_w.shape[1]
   x = tokens.at[slot_token].get(mode="fill", fill_value=0).reshape(-1, t, h)           # [C/T, T, H]
-  a = jnp.einsum("gth,ghi->gti", x, gate[tile_expert])
-  b = jnp.einsum("gth,ghi->gti", x, up[tile_expert])
-  y = jnp.einsum("gti,gih->gth", jax.nn.silu(a) * b, down[tile_expert]).reshape(-1, h)   # [C, H]
+  y = _tile_swiglu(x, gate, up, down, tile_expert).reshape(-1, h)                          # [C, H]
   rank = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
   e = jnp.minimum(local, num_local - 1)
   slot = (tile_end[e] - tiles[e]) * t + rank - group_start[e]                           # [N]
@@ -166,10 +164,7 @@ def _gathered_tiles(tokens, top_w, local, order, slot_token, tile_expert, tiles,
   slot = jnp.take_along_axis(slot.reshape(m, k), by_expert, axis=1)
   w = jnp.where(jnp.take_along_axis(here, by_expert, axis=1),
                 jnp.take_along_axis(top_w, by_expert, axis=1), 0).astype(tokens.dtype)
-  out = jnp.zeros((m, h), tokens.dtype)
-  for j in range(k):
-    out = out + (y.at[slot[:, j]].get(mode="clip") * w[:, j, None]).astype(tokens.dtype)
-  return out
+  return _weighted_sum(y.at[slot].get(mode="clip"), w)
 
 
 def _pair_tiles(tokens, top_w, experts, gate, up, down):
@@ -181,12 +176,21 @@ def _pair_tiles(tokens, top_w, experts, gate, up, down):
   e = jnp.take_along_axis(experts, by_expert, axis=1).reshape(-1)                         # [M*k]
   w = jnp.take_along_axis(top_w, by_expert, axis=1).astype(tokens.dtype)                 # [M, k]
   x = jnp.repeat(tokens, experts.shape[1], axis=0)[:, None]                               # [M*k, 1, H]
-  a = jnp.einsum("gth,ghi->gti", x, gate[e])
-  b = jnp.einsum("gth,ghi->gti", x, up[e])
-  y = jnp.einsum("gti,gih->gth", jax.nn.silu(a) * b, down[e]).reshape(m, -1, h)           # [M, k, H]
-  out = jnp.zeros((m, h), tokens.dtype)
-  for j in range(experts.shape[1]):
-    out = out + (y[:, j] * w[:, j, None]).astype(tokens.dtype)
+  return _weighted_sum(_tile_swiglu(x, gate, up, down, e).reshape(m, -1, h), w)
+
+
+def _tile_swiglu(x, gate, up, down, experts):
+  """x [G, T, H], each tile g through the SwiGLU of expert experts[g] (weights gathered: [G, H, I])."""
+  a = jnp.einsum("gth,ghi->gti", x, gate[experts])
+  b = jnp.einsum("gth,ghi->gti", x, up[experts])
+  return jnp.einsum("gti,gih->gth", jax.nn.silu(a) * b, down[experts])
+
+
+def _weighted_sum(y, w):
+  """y [M, k, H], w [M, k] -> sum_j w[:, j] * y[:, j] in y's dtype, added in j order (expert order)."""
+  out = jnp.zeros((y.shape[0], y.shape[2]), y.dtype)
+  for j in range(y.shape[1]):
+    out = out + (y[:, j] * w[:, j, None]).astype(y.dtype)
   return out
 
 
