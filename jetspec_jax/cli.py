@@ -247,7 +247,7 @@ def cmd_serve(args) -> dict:
   plan = EnginePlan(slots=args.slots, rows=args.rows or args.slots * (1 if tree is None else tree.num_nodes()),
                     lanes=groups, prefill_rows=args.prefill_rows, max_prompt=args.max_prompt,
                     max_new_tokens=args.max_tokens, queue=-(-queue // groups), groups=groups, tree=tree,
-                    key_buckets=args.key_buckets)
+                    key_buckets=args.key_buckets, per_request_sampling=not args.fixed_sampling)
   engine = Engine(cfg, params, plan, sampling_cfg=sampling_cfg, eos_ids=eos, attn_impl=impl, mesh=mesh, **head)
   say = _status_lines(args)
   say("compiling the engine's programs")
@@ -270,8 +270,9 @@ def cmd_serve(args) -> dict:
   res = {"model": name, "url": urls[0] if urls else None, "mode": "speculative" if tree else "autoregressive",
          "attention": impl.name, "plan": {"slots": plan.slots, "rows": plan.rows, "max_prompt": plan.max_prompt,
                                           "max_tokens": plan.max_new_tokens, "queue": plan.queue * groups},
-         "sampling": engine.sampling.describe(), "sampling_sources": sources, "eos_ids": list(engine.eos),
-         "segments": driver.segments, "cancelled": driver.cancelled, "tree": None if tree is None else tree.describe()}
+         "sampling": engine.sampling.describe(), "sampling_sources": sources,
+         "per_request_sampling": plan.per_request_sampling, "eos_ids": list(engine.eos), "segments": driver.segments,
+         "cancelled": driver.cancelled, "tree": None if tree is None else tree.describe()}
   _emit(args, res, f"stopped after {driver.segments} engine segments")
   return res
 
@@ -569,6 +570,9 @@ def build_parser() -> argparse.ArgumentParser:
   sv.add_argument("--key-buckets", type=int, default=1, help="attention key-length buckets (CPU: 4)")
   sv.add_argument("--drain-timeout", type=float, default=30.0,
                   help="on SIGTERM, seconds the requests in flight get to finish")
+  sv.add_argument("--fixed-sampling", action="store_true",
+                  help="compile only the server's sampling (the flags below): rounds skip the per-request "
+                       "full-vocabulary sort; requests asking for other values get 400")
   sv.add_argument("--dtype", default="auto")
   sampling_and_head_flags(sv)
   attention_flags(sv)

@@ -12,9 +12,10 @@ stop string (the request is then cancelled in the engine), EOS ids ending the re
 A client that disconnects cancels its request. SIGTERM: new requests get 503, the ones in flight finish
 (at most ``drain_timeout`` seconds; the rest end with an error event), then the process exits 0.
 
-Sampling (temperature, top_k, top_p) is one static configuration of the engine's program, chosen at
-start: a request may omit those fields or send the server's values; others get a 400 naming them.
-Per-request sampling would need per-row sampling parameters in the engine.
+Sampling: each request's temperature, top_p, top_k (vLLM's extension; -1 or 0: off) and seed, the
+server's settings (``serve --temperature/--top-p/--top-k``, or the checkpoint's generation_config.json)
+filling what it leaves out; greedy and sampled requests share the engine's rounds. A server started
+with ``--fixed-sampling`` compiles its one setting instead and answers other values with a 400 naming them.
 """
 from __future__ import annotations
 
@@ -113,6 +114,7 @@ class Job:
   prompt: list[int]
   max_tokens: int
   seed: int | None
+  sampling: dict            # the request's own temperature / top_k / top_p (the engine fills the rest)
   stop: list[str]
   stream: bool
   include_usage: bool
@@ -158,7 +160,7 @@ class Service:
     for field, neutral in UNSUPPORTED.items():
       if body.get(field) not in neutral:
         raise ApiError(400, f"{field} is not supported by this server; leave it out", param=field)
-    self._check_sampling(body)
+    sampling = self._sampling(body)
     seed = body.get("seed")
     if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or not -2 ** 63 <= seed < 2 ** 63):
       raise ApiError(400, f"seed must be a signed 64-bit integer, got {seed!r}", param="seed")
@@ -176,11 +178,11 @@ class Service:
     if not isinstance(options, dict):
       raise ApiError(400, "stream_options must be an object such as {\"include_usage\": true}", param="stream_options")
     self._fits(prompt, max_tokens, "messages" if chat else "prompt", key)
-    return Job(prompt=prompt, max_tokens=max_tokens, seed=seed, stop=stop, stream=stream,
+    return Job(prompt=prompt, max_tokens=max_tokens, seed=seed, sampling=sampling, stop=stop, stream=stream,
                include_usage=bool(options.get("include_usage")))
 
-  def _check_sampling(self, body: dict) -> None:
-    s = self.sampling
+  def _sampling(self, body: dict) -> dict:
+    """The request's temperature / top_p / top_k, checked (top_k -1 is vLLM's "off", here 0)."""
     values = {}
     for field in ("temperature", "top_p", "top_k"):
       v = body.get(field)
@@ -189,15 +191,27 @@ class Service:
       if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
         raise ApiError(400, f"{field} must be a number, got {v!r}", param=field)
       values[field] = v
-    greedy = values.get("temperature", s.temperature) == 0
-    if s.greedy and greedy:                    # greedy decoding ignores top_p and top_k
-      return
+    if values.get("temperature", 0) < 0:
+      raise ApiError(400, f"temperature must be >= 0 (0: greedy), got {values['temperature']}", param="temperature")
+    if not 0 < values.get("top_p", 1) <= 1:
+      raise ApiError(400, f"top_p must be in (0, 1] (1: off), got {values['top_p']}", param="top_p")
+    if "top_k" in values:
+      k = values["top_k"]
+      if k != int(k) or k < -1:
+        raise ApiError(400, f"top_k must be an integer >= -1 (-1 or 0: off), got {k}", param="top_k")
+      values["top_k"] = max(int(k), 0)
+    if self.plan.per_request_sampling:
+      return values
+    s = self.sampling
+    if s.greedy and values.get("temperature", 0) == 0:          # greedy decoding ignores top_p and top_k
+      return {}
     for field, v in values.items():
       if not math.isclose(v, getattr(s, field), rel_tol=1e-6, abs_tol=1e-9):
         raise ApiError(400, f"{field} {v} differs from this server's sampling (temperature {s.temperature:g}, "
-                            f"top_p {s.top_p:g}, top_k {s.top_k}), which is fixed when it starts (jetspec-jax "
-                            f"serve --temperature/--top-p/--top-k); leave {field} out or send the server's value",
+                            f"top_p {s.top_p:g}, top_k {s.top_k}), which it compiled when it started (jetspec-jax "
+                            f"serve --fixed-sampling); leave {field} out or send the server's value",
                        param=field, code="unsupported_value")
+    return {}
 
   @staticmethod
   def _stop(stop) -> list[str]:
@@ -276,7 +290,7 @@ class Service:
         pass
 
     key = None if job.seed is None else jax.random.key(job.seed)
-    ticket = self.driver.submit(Ticket(Request(job.prompt, job.max_tokens, key), publish))
+    ticket = self.driver.submit(Ticket(Request(job.prompt, job.max_tokens, key, **job.sampling), publish))
     text = TextStream(self.tokenizer, job.stop)
     checked = time.monotonic()
     try:

@@ -311,6 +311,32 @@ def test_process_logits_matches_reference(temperature, top_k, top_p):
     np.testing.assert_allclose(g[~np.isinf(g)], ref[~np.isinf(ref)], rtol=1e-5, atol=1e-6)
 
 
+ROW_SETTINGS = [(1.0, 0, 1.0), (0.5, 3, 1.0), (2.0, 0, 0.6), (0.7, 4, 0.5), (1.0, 1, 1.0), (1.0, 0, 1e-6), (0.0, 5, 0.3)]
+
+
+def test_per_row_parameters_process_each_row_by_its_own():
+  """One call with a different setting per row (traced arrays) gives every row what the fixed setting gives it;
+  a temperature-0 row is all mass on the argmax (ties to the lower id, as argmax), whatever its top_k / top_p."""
+  rng = np.random.default_rng(0)
+  logits = rng.normal(size=(len(ROW_SETTINGS), 2, 40)).astype(np.float32) * 2
+  logits[:, 1, [3, 9]] = logits[:, 1].max() + 1                   # a tie for the most likely token
+  t, k, p = (np.asarray(col) for col in zip(*ROW_SETTINGS))
+  got = np.asarray(jax.jit(sampling.process_logits)(jnp.asarray(logits), jnp.asarray(t, jnp.float32),
+                                                   jnp.asarray(k, jnp.int32), jnp.asarray(p, jnp.float32)))
+  for i, (temperature, top_k, top_p) in enumerate(ROW_SETTINGS):
+    for j in range(2):
+      if temperature == 0:
+        assert np.flatnonzero(np.isfinite(got[i, j])).tolist() == [int(np.argmax(logits[i, j]))] and got[i, j].max() == 0
+        continue
+      fixed = np.asarray(sampling.process_logits(jnp.asarray(logits[i, j]), temperature, top_k, top_p))
+      assert np.array_equal(np.isinf(got[i, j]), np.isinf(fixed)), (i, j)
+      np.testing.assert_allclose(got[i, j][np.isfinite(fixed)], fixed[np.isfinite(fixed)], rtol=1e-6, atol=1e-6)
+  keys = jax.random.split(jax.random.key(0), len(ROW_SETTINGS))
+  drawn = np.asarray(sampling.sample_tokens(jnp.asarray(logits[:, 0]), keys, jnp.asarray(t, jnp.float32),
+                                            jnp.asarray(k, jnp.int32), jnp.asarray(p, jnp.float32)))
+  assert drawn[-1] == np.argmax(logits[-1, 0]) and all(np.isfinite(got[i, 0, d]) for i, d in enumerate(drawn))
+
+
 def test_gumbel_top_k_draws_without_replacement_in_order():
   logp = jnp.log(jnp.array([0.5, 0.3, 0.2, 0.0]))
   keys = jax.random.split(jax.random.key(0), 20000)

@@ -1,9 +1,12 @@
 """The OpenAI-compatible server on a tiny target with a chat tokenizer and a draft head, all made here:
 completions and chat completions, streamed or not, through the ``openai`` package and raw HTTP, equal
-``generate``'s greedy tokens; concurrent streams do not mix; stop strings cut the text; a client that
+``generate``'s greedy tokens; sampled requests (their own temperature, top_p, top_k, seed) beside greedy
+ones equal the engine's offline answers and repeat with their seed; concurrent streams do not mix; a server
+compiled for one sampling setting refuses others; stop strings cut the text; a client that
 leaves frees its slot; bad input gets a 4xx with an OpenAI-style body (written to
 docs/serving_bad_input.md); SIGTERM drains the requests in flight and exits 0."""
 import concurrent.futures
+import dataclasses
 import json
 import os
 import re
@@ -22,8 +25,8 @@ import pytest
 
 from jetspec_jax import convert, serve
 from jetspec_jax.config import Qwen3Config
-from jetspec_jax.decode.engine import Engine, EnginePlan
-from jetspec_jax.decode.generation import Generator
+from jetspec_jax.decode.engine import Engine, EnginePlan, Request
+from jetspec_jax.decode.generation import Generator, SamplingConfig
 from jetspec_jax.decode.speculative import TreeConfig
 from jetspec_jax.driver import Driver
 from jetspec_jax.models import draft_head, qwen3
@@ -62,15 +65,23 @@ def reference(model_dir):
   return lambda ids, n: gen.generate([ids], n).tokens[0]
 
 
+TREE = TreeConfig("best_nodes", 6, 2, 3)
+PLAN = EnginePlan(slots=2, rows=2 * TREE.num_nodes(), lanes=1, prefill_rows=16, max_prompt=64, max_new_tokens=200,
+                  queue=3, tree=TREE, per_request_sampling=True)
+
+
+def speculative_engine(model_dir, plan=PLAN, **kw) -> Engine:
+  cfg, params, _ = convert.load_target(model_dir[0])
+  head_cfg, head_params = convert.load_head(model_dir[1], target_cfg=cfg)
+  return Engine(cfg, params, plan, head_cfg=head_cfg, head_params=head_params, **kw)
+
+
 @pytest.fixture(scope="module")
 def server(model_dir):
-  """A speculative server (2 slots, one round per segment) in this process; yields (url, service, server)."""
-  cfg, params, side = convert.load_target(model_dir[0])
-  head_cfg, head_params = convert.load_head(model_dir[1], target_cfg=cfg)
-  tree = TreeConfig("best_nodes", 6, 2, 3)
-  plan = EnginePlan(slots=2, rows=2 * tree.num_nodes(), lanes=1, prefill_rows=16, max_prompt=64, max_new_tokens=200,
-                    queue=3, tree=tree)
-  engine = Engine(cfg, params, plan, head_cfg=head_cfg, head_params=head_params)
+  """A speculative server (2 slots, one round per segment, per-request sampling) in this process; yields
+  (url, service, server)."""
+  side = model_dir[0]
+  engine = speculative_engine(model_dir)
   driver = Driver(engine, segment_rounds=1)
   driver.start()
   service = serve.Service(driver, load_tokenizer(side), MODEL)
@@ -167,6 +178,50 @@ def test_concurrent_streams_do_not_mix(server, reference):
   assert any(b[0] < a[1] for a, b in zip(spans, spans[1:]))             # some streams were open at once
 
 
+def test_sampled_requests_follow_their_own_settings(server, model_dir, reference):
+  """Greedy and sampled requests at once (streamed and not): each sampled answer equals the engine's offline
+  tokens for its settings and key(seed), the same request again repeats it, and greedy equals generate."""
+  url, service, _ = server
+  tok = service.tokenizer
+  settings = [dict(temperature=1.5, top_p=0.9, seed=1), dict(temperature=2.0, top_k=5, seed=2),
+              dict(temperature=1.5, top_p=0.9, seed=1), dict(temperature=0), dict(temperature=2.0, seed=3)]
+  jobs = [(PROMPTS[i % 2], 24, kw, i % 2 == 1) for i, kw in enumerate(settings)]
+
+  def ask(job):
+    text, n, kw, stream = job
+    api = client(url)
+    kw = {k: v for k, v in kw.items() if k != "top_k"} | ({"extra_body": {"top_k": kw["top_k"]}} if "top_k" in kw else {})
+    if not stream:
+      return api.completions.create(model=MODEL, prompt=text, max_tokens=n, **kw).choices[0].text
+    return "".join(c.choices[0].text for c in api.completions.create(model=MODEL, prompt=text, max_tokens=n,
+                                                                      stream=True, **kw))
+
+  with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
+    got = list(pool.map(ask, jobs))
+  ids = [tok.encode(text, add_special_tokens=False) for text, *_ in jobs]
+  offline = speculative_engine(model_dir, dataclasses.replace(PLAN, queue=len(jobs))).run(
+      [Request(i, n, jax.random.key(kw["seed"]), **{k: v for k, v in kw.items() if k != "seed"})
+       for i, (_, n, kw, _) in zip(ids, jobs) if "seed" in kw]).results
+  eos = tok.convert_tokens_to_ids(IM_END)
+  sampled = [g for g, (_, _, kw, _) in zip(got, jobs) if "seed" in kw]
+  assert sampled == [tok.decode([t for t in r.tokens if t != eos], skip_special_tokens=True) for r in offline]
+  assert got[0] == got[2] and len(set(sampled)) == 3
+  assert got[3] == expected(reference, tok, ids[3], 24)[0]
+
+
+def test_a_server_compiled_for_one_setting_refuses_others(model_dir):
+  """``serve --fixed-sampling``: a request may leave sampling out or send the server's values; others get 400."""
+  fixed = dataclasses.replace(PLAN, per_request_sampling=False)
+  engine = speculative_engine(model_dir, fixed, sampling_cfg=SamplingConfig(0.7, 0, 0.9))
+  service = serve.Service(Driver(engine), load_tokenizer(model_dir[0]), MODEL)    # checks only: nothing runs
+  for ok in ({}, {"temperature": 0.7}, {"temperature": 0.7, "top_p": 0.9, "top_k": 0}):
+    assert service.job({**GOOD, **ok}, [1, 2], chat=False).sampling == {}
+  for field, bad in (("temperature", 0.0), ("top_p", 0.5), ("top_k", 4)):
+    with pytest.raises(serve.ApiError, match=f"{field} .* differs from this server's sampling") as e:
+      service.job({**GOOD, field: bad}, [1, 2], chat=False)
+    assert e.value.status == 400 and e.value.param == field
+
+
 def test_stop_strings_cut_the_text(server, reference):
   url, service, _ = server
   tok = service.tokenizer
@@ -225,9 +280,9 @@ BAD_INPUTS = [
     ("max_tokens 0", "/v1/completions", {**GOOD, "max_tokens": 0}, 400, "max_tokens"),
     ("max_tokens -3", "/v1/chat/completions", {**CHAT, "max_tokens": -3}, 400, "max_tokens"),
     ("temperature 'hot'", "/v1/completions", {**GOOD, "temperature": "hot"}, 400, "temperature"),
-    ("temperature 0.7 (server greedy)", "/v1/completions", {**GOOD, "temperature": 0.7}, 400, "temperature"),
-    ("top_p 0.9 at temperature 0.5", "/v1/chat/completions", {**CHAT, "temperature": 0.5, "top_p": 0.9}, 400,
-     "temperature"),
+    ("temperature -0.5", "/v1/completions", {**GOOD, "temperature": -0.5}, 400, "temperature"),
+    ("top_p 0", "/v1/chat/completions", {**CHAT, "temperature": 0.5, "top_p": 0}, 400, "top_p"),
+    ("top_k 2.5", "/v1/completions", {**GOOD, "temperature": 0.5, "top_k": 2.5}, 400, "top_k"),
     ("empty message list", "/v1/chat/completions", {**CHAT, "messages": []}, 400, "messages"),
     ("message without a role", "/v1/chat/completions", {**CHAT, "messages": [{"content": "hi"}]}, 400, "messages[0]"),
     ("n = 2", "/v1/completions", {**GOOD, "n": 2}, 400, "n"),
@@ -254,8 +309,9 @@ def test_bad_input_gets_a_4xx_with_an_openai_error_body(server):
   assert r.usage.completion_tokens == 3 and service.driver.outstanding() == 0
   table = ["| input | endpoint | status | body |", "| --- | --- | --- | --- |"]
   table += [f"| {n} | `{p}` | {s} | `{b.replace('|', '&#124;')}` |" for n, p, s, b in rows]
-  text = ("Bad input to `jetspec-jax serve` (the greedy speculative test server of tests/test_serve.py: "
-          "--max-prompt 64, --max-tokens 200) and what it answers.\n\n" + "\n".join(table) + "\n")
+  text = ("Bad input to `jetspec-jax serve` (the speculative test server of tests/test_serve.py: greedy unless a "
+          "request asks otherwise, --max-prompt 64, --max-tokens 200) and what it answers.\n\n" + "\n".join(table)
+          + "\n")
   doc = os.path.join(REPO, "docs", "serving_bad_input.md")
   if os.environ.get("JETSPEC_WRITE_DOCS"):
     with open(doc, "w") as f:

@@ -1,7 +1,8 @@
 """The engine: continuous batching over B slots inside one jitted ``lax.while_loop``.
 
 Requests wait in a device-resident queue (per group: Q entries holding prompt ids,
-``max_new_tokens`` and a PRNG key, admitted in order of their sequence numbers). Every round:
+``max_new_tokens``, a PRNG key and sampling parameters, admitted in order of their sequence numbers).
+Every round:
 
   1. admit: each free slot takes the next queued request of its group (no host round-trip);
   2. prefill lanes: each of L lanes per group takes a prefilling slot (oldest request first) and
@@ -65,7 +66,9 @@ class EnginePlan:
   capacity; ``queue``: entries per group. ``tree`` None: plain AR decoding (no draft head).
   ``key_buckets`` > 1: attention reads only the cache's first S / 2**i rows (i < key_buckets) while no slot
   needs more (``run_rounds``): a round's attention costs what the longest live request needs, not the
-  capacity, for one compiled round body per bucket."""
+  capacity, for one compiled round body per bucket. ``per_request_sampling``: each request's temperature,
+  top_k and top_p are read from the state (one program for any mix, greedy requests included; every
+  sampled row pays a full-vocabulary sort); otherwise the engine's one setting is compiled in."""
   slots: int
   rows: int
   lanes: int
@@ -76,6 +79,7 @@ class EnginePlan:
   groups: int = 1
   tree: TreeConfig | None = None
   key_buckets: int = 1
+  per_request_sampling: bool = False
 
   @property
   def nodes(self) -> int:
@@ -126,6 +130,9 @@ class Queue:
   prompt_len: jax.Array    # [G, Q]
   max_new: jax.Array       # [G, Q]
   key: jax.Array           # [G, Q, 2] uint32 PRNG key data (``jax.random.key_data``)
+  temperature: jax.Array   # [G, Q] float32 (per-request sampling; 0: greedy)
+  top_k: jax.Array         # [G, Q] int32 (0: off)
+  top_p: jax.Array         # [G, Q] float32 (1: off)
   status: jax.Array        # [G, Q] EMPTY | QUEUED | RUNNING | FINISHED
   seq: jax.Array           # [G, Q] admission order
   tokens: jax.Array        # [G, Q, M] generated ids, -1 past num_tokens
@@ -146,6 +153,9 @@ class EngineState:
   prompt_len: jax.Array    # [B]
   max_new: jax.Array       # [B]
   key: jax.Array           # [B, 2] uint32 key data
+  temperature: jax.Array   # [B] the request's sampling parameters (read with ``plan.per_request_sampling``)
+  top_k: jax.Array         # [B]
+  top_p: jax.Array         # [B]
   prefix_len: jax.Array    # [B]
   last_token: jax.Array    # [B]
   tokens: jax.Array        # [B, M]
@@ -168,13 +178,16 @@ def init_state(plan: EnginePlan, cfg: Qwen3Config, head_cfg: DraftConfig | None,
   w = 1 if plan.tree is None else plan.tree.num_candidates
   target_len, draft_len = plan.cache_lengths(head_cfg)
   zi = lambda *shape: jnp.zeros(shape, jnp.int32)
+  zf = lambda *shape: jnp.zeros(shape, jnp.float32)
   queue = Queue(prompt=zi(g, q, t), prompt_len=zi(g, q), max_new=zi(g, q),
-                key=jnp.zeros((g, q) + KEY_SHAPE, jnp.uint32), status=zi(g, q), seq=zi(g, q),
+                key=jnp.zeros((g, q) + KEY_SHAPE, jnp.uint32), temperature=zf(g, q), top_k=zi(g, q),
+                top_p=zf(g, q) + 1, status=zi(g, q), seq=zi(g, q),
                 tokens=jnp.full((g, q, m), -1, jnp.int32), num_tokens=zi(g, q), steps=zi(g, q),
                 depth_hist=zi(g, q, d + 1), admitted=zi(g, q), first=zi(g, q), finished=zi(g, q))
   draft_cache = None if head_cfg is None else draft_head.init_context_cache(head_cfg, b, draft_len, draft_dtype, mesh)
   state = EngineState(queue=queue, entry=jnp.full((b,), -1, jnp.int32), seq=zi(b), prompt_len=zi(b), max_new=zi(b),
-                      key=jnp.zeros((b,) + KEY_SHAPE, jnp.uint32), prefix_len=zi(b), last_token=zi(b),
+                      key=jnp.zeros((b,) + KEY_SHAPE, jnp.uint32), temperature=zf(b), top_k=zi(b), top_p=zf(b) + 1,
+                      prefix_len=zi(b), last_token=zi(b),
                       tokens=jnp.full((b, m), -1, jnp.int32), num_tokens=zi(b), steps=zi(b),
                       cache=qwen3.init_cache(cfg, b, target_len, cache_dtype, mesh), draft_cache=draft_cache,
                       depth_hist=zi(b, d + 1), rank_hits=zi(b, d, w), rank_mass=jnp.zeros((b, d, w), jnp.float32),
@@ -190,21 +203,24 @@ def place(state: EngineState, mesh=None) -> EngineState:
   data = NamedSharding(mesh, P("data"))
   put = lambda x: jax.device_put(x, data)
   queue = jax.tree.map(put, state.queue)
-  small = {f: put(getattr(state, f)) for f in ("entry", "seq", "prompt_len", "max_new", "key", "prefix_len", "last_token",
-                                               "tokens", "num_tokens", "steps", "depth_hist", "rank_hits",
-                                               "rank_mass")}
+  small = {f: put(getattr(state, f)) for f in ("entry", "seq", "prompt_len", "max_new", "key", "temperature", "top_k",
+                                               "top_p", "prefix_len", "last_token", "tokens", "num_tokens", "steps",
+                                               "depth_hist", "rank_hits", "rank_mass")}
   return state.replace(queue=queue, **small)
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))
 def enqueue(state: EngineState, group: jax.Array, entry: jax.Array, seq: jax.Array, prompt: jax.Array,
-            prompt_len: jax.Array, max_new: jax.Array, key: jax.Array) -> EngineState:
+            prompt_len: jax.Array, max_new: jax.Array, key: jax.Array, temperature: jax.Array, top_k: jax.Array,
+            top_p: jax.Array) -> EngineState:
   """Queue requests [R] at (group, entry) [R] (EMPTY entries: the caller's to choose) with sequence numbers
-  seq [R] (admission order), prompt [R, T], prompt_len, max_new [R] and key data [R, 2]."""
+  seq [R] (admission order), prompt [R, T], prompt_len, max_new [R], key data [R, 2] and sampling
+  parameters temperature, top_k, top_p [R]."""
   q = state.queue
   at = lambda a, v: a.at[group, entry].set(v)
   queue = q.replace(prompt=at(q.prompt, prompt), prompt_len=at(q.prompt_len, prompt_len),
-                    max_new=at(q.max_new, max_new), key=at(q.key, key), status=at(q.status, QUEUED),
+                    max_new=at(q.max_new, max_new), key=at(q.key, key), temperature=at(q.temperature, temperature),
+                    top_k=at(q.top_k, top_k), top_p=at(q.top_p, top_p), status=at(q.status, QUEUED),
                     seq=at(q.seq, seq), tokens=at(q.tokens, -1), num_tokens=at(q.num_tokens, 0))
   return state.replace(queue=queue)
 
@@ -243,15 +259,17 @@ def _admit(s: EngineState, plan: EnginePlan, mesh=None) -> EngineState:
     dropped = jnp.where(admit, new_entry, plan.queue)                     # out of range: not written
     q = q.replace(status=q.status.at[dropped].set(RUNNING, mode="drop"),
                   admitted=q.admitted.at[dropped].set(s.round, mode="drop"))
-    return q, admit, new_entry, (q.prompt_len[new_entry], q.max_new[new_entry], q.key[new_entry], q.seq[new_entry])
+    return q, admit, new_entry, (q.prompt_len[new_entry], q.max_new[new_entry], q.key[new_entry], q.seq[new_entry],
+                                 q.temperature[new_entry], q.top_k[new_entry], q.top_p[new_entry])
 
-  queue, admit, new_entry, (plen, max_new, key, seq) = per_data_shard(jax.vmap(group), mesh)(s.queue,
-                                                                                        s.entry.reshape(g, per))
+  queue, admit, new_entry, (plen, max_new, key, seq, temp, top_k, top_p) = per_data_shard(jax.vmap(group), mesh)(
+      s.queue, s.entry.reshape(g, per))
   fresh = admit.reshape(-1)
   pick = lambda new, old: jnp.where(fresh.reshape((-1,) + (1,) * (old.ndim - 1)), new.reshape(old.shape), old)
   zero = lambda x: pick(jnp.zeros_like(x), x)
   return s.replace(queue=queue, entry=pick(new_entry, s.entry), seq=pick(seq, s.seq), prompt_len=pick(plen, s.prompt_len),
-                   max_new=pick(max_new, s.max_new), key=pick(key, s.key),
+                   max_new=pick(max_new, s.max_new), key=pick(key, s.key), temperature=pick(temp, s.temperature),
+                   top_k=pick(top_k, s.top_k), top_p=pick(top_p, s.top_p),
                    prefix_len=zero(s.prefix_len), num_tokens=zero(s.num_tokens), steps=zero(s.steps),
                    tokens=pick(jnp.full_like(s.tokens, -1), s.tokens), depth_hist=zero(s.depth_hist),
                    rank_hits=zero(s.rank_hits), rank_mass=zero(s.rank_mass))
@@ -299,7 +317,8 @@ def engine_round(target_params, head_params, s: EngineState, *, plan: EnginePlan
                  head_cfg: DraftConfig | None, eos_ids: tuple[int, ...], temperature: float, top_k: int,
                  top_p: float, accept: str, attn_impl, mesh, key_len: int | None = None) -> EngineState:
   """One round of every slot: admit, draft, pack, verify, accept, commit, finish (module docstring).
-  ``key_len``: the target's attention reads cache rows < key_len only (the caller checks no slot needs more)."""
+  ``key_len``: the target's attention reads cache rows < key_len only (the caller checks no slot needs more).
+  temperature / top_k / top_p: the compiled setting, unused with ``plan.per_request_sampling``."""
   s = _admit(s, plan, mesh)
   tree_cfg = plan.tree
   b, n, d, c = plan.slots, plan.nodes, plan.depth, plan.prefill_rows
@@ -310,6 +329,13 @@ def engine_round(target_params, head_params, s: EngineState, *, plan: EnginePlan
   decoding = held & ~prefilling
   keys = jax.random.wrap_key_data(s.key)
   step_keys = sampling.step_keys(keys, s.steps + 1)
+  per_row = plan.per_request_sampling
+  greedy = not per_row and temperature == 0.0                  # every request greedy (compiled in)
+  row_params = (s.temperature, s.top_k, s.top_p) if per_row else ()
+
+  def params(rows=lambda x: x):
+    """The sampling parameters: the slots' own (mapped by ``rows``), or the compiled setting."""
+    return tuple(rows(x) for x in row_params) if per_row else (temperature, top_k, top_p)
 
   # Decode rows each slot offers, in the [B, N] attention layout.
   if tree_cfg is None:
@@ -322,17 +348,21 @@ def engine_round(target_params, head_params, s: EngineState, *, plan: EnginePlan
       depth_logits, draft_cache = head.draft_logits(target, s.draft_cache, s.prefix_len, s.last_token, d,
                                                     attn_impl, mesh)
     with jax.named_scope("jetspec_tree"):
-      def tree_and_scores(anchor, logits, round_keys, hits, mass):
-        tree, draft_logp = build_round_tree(anchor, logits, round_keys, tree_cfg, temperature=temperature,
-                                            top_k=top_k, top_p=top_p, accept=accept, counts=(hits, mass))
+      def tree_and_scores(anchor, logits, round_keys, hits, mass, *rows):
+        t, k, p = rows or params()
+        tree, draft_logp = build_round_tree(anchor, logits, round_keys, tree_cfg, temperature=t, top_k=k, top_p=p,
+                                            accept=accept, counts=(hits, mass))
         # The shape's log-probs (sorted top-W): with the rejection rule the tree holds sampled tokens, and what
         # a round keeps must not depend on which were drawn.
-        shape_logp = (tree.candidate_logp if draft_logp is None or accept == "match"
-                      else jax.lax.top_k(draft_logp, tree_cfg.num_candidates)[0])
+        shape_logp = tree.candidate_logp
+        if draft_logp is not None and accept == "rejection":
+          shape_logp = jax.lax.top_k(draft_logp, tree_cfg.num_candidates)[0]
+          if rows:
+            shape_logp = jnp.where((t <= 0)[:, None, None], tree.candidate_logp, shape_logp)
         return tree, draft_logp, budget.node_scores(tree, budget.rank_scores(shape_logp, tree_cfg, (hits, mass)))
 
       tree, draft_logp, scores = per_data_shard(tree_and_scores, mesh)(s.last_token, depth_logits, step_keys,
-                                                                       s.rank_hits, s.rank_mass)
+                                                                       s.rank_hits, s.rank_mass, *row_params)
     dec_tokens, dec_pos, dec_mask = tree.tokens, s.prefix_len[:, None] + tree.depths, tree.ancestors
     node_priority = jnp.where(tree.valid, jnp.where(jnp.arange(n) == 0, budget.ROOT, scores), -jnp.inf)
     priority = jnp.where(decoding[:, None], node_priority, -jnp.inf)
@@ -365,11 +395,10 @@ def engine_round(target_params, head_params, s: EngineState, *, plan: EnginePlan
     lane_last = jnp.take_along_axis(h_lane, jnp.maximum(lane_take - 1, 0)[:, None, None], axis=1)[:, 0]
     lane_logits = target.logits(lane_last)                                             # [G * L, V]
 
-  greedy = temperature == 0.0
   with jax.named_scope("jetspec_accept"):
     lane_completes = lane_live & (lane_take == lane_remaining)
     lane_keys = sampling.step_keys(packed.lane_sequences(keys), 0)
-    lane_first = sampling.sample_tokens(lane_logits, lane_keys, temperature, top_k, top_p)
+    lane_first = sampling.sample_tokens(lane_logits, lane_keys, *params(packed.lane_sequences))
     slot_values = lambda v, fill: packed.set_lane_sequences(jnp.full((b,) + v.shape[1:], fill, v.dtype), v)
     consumed = slot_values(lane_take, 0)
     completes = slot_values(lane_completes, False)
@@ -382,11 +411,11 @@ def engine_round(target_params, head_params, s: EngineState, *, plan: EnginePlan
       out = jax.vmap(lambda lg, r: lg[r])(logits, rows)
       return out.reshape((b,) + out.shape[2:])
 
-    if greedy:
+    if greedy or (per_row and tree_cfg is not None):
       next_tokens = packed.scatter(jnp.argmax(logits, axis=-1).astype(jnp.int32)[..., None])[..., 0]   # [B, N]
     if tree_cfg is None:
       new = next_tokens if greedy else sampling.sample_tokens(node_logits(jnp.zeros((b, 1), jnp.int32)),
-                                                             step_keys[:, None], temperature, top_k, top_p)
+                                                             step_keys[:, None], *params(lambda x: x[:, None]))
       count = jnp.ones((b,), jnp.int32)
       correction = new[:, 0]
     else:
@@ -394,10 +423,14 @@ def engine_round(target_params, head_params, s: EngineState, *, plan: EnginePlan
       if greedy:
         acc = verify.greedy_accept(tree, next_tokens, d)
       else:
+        t, k, p = params()
         acc = verify.sample_accept(tree, node_logits(jnp.broadcast_to(jnp.arange(n), (b, n))),
                                    draft_logp if accept == "rejection" else None, step_keys, rule=accept,
-                                   max_depth=d, width=tree_cfg.num_candidates, temperature=temperature,
-                                   top_k=top_k, top_p=top_p)
+                                   max_depth=d, width=tree_cfg.num_candidates, temperature=t, top_k=k, top_p=p)
+        if per_row:                            # greedy requests: the target's argmax path, exactly
+          row_greedy = s.temperature <= 0
+          acc = jax.tree.map(lambda g_, s_: jnp.where(row_greedy.reshape((-1,) + (1,) * (g_.ndim - 1)), g_, s_),
+                             verify.greedy_accept(tree, next_tokens, d), acc)
       new, count = verify.accepted_tokens(tree, acc)
       correction = acc.correction
 
@@ -474,10 +507,15 @@ def run_rounds(target_params, head_params, state: EngineState, max_rounds: jax.A
 @dataclasses.dataclass(frozen=True)
 class Request:
   """One generation request: prompt ids and how many tokens it may generate. ``key``: its PRNG key
-  (None: fold_in(key(seed), request id), as ``decode.sampling.sequence_keys`` gives batch row b)."""
+  (None: fold_in(key(seed), request id), as ``decode.sampling.sequence_keys`` gives batch row b).
+  temperature / top_k / top_p: its sampling (None: the engine's); an engine without
+  ``plan.per_request_sampling`` takes only its own setting."""
   prompt: Sequence[int]
   max_new_tokens: int
   key: jax.Array | None = None
+  temperature: float | None = None
+  top_k: int | None = None
+  top_p: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -531,7 +569,10 @@ class Engine:
       head_cfg.validate(target_cfg)
     self.cfg, self.params, self.plan = target_cfg, target_params, plan
     self.head_cfg, self.head_params = head_cfg, head_params
-    self.sampling = (sampling_cfg or SamplingConfig()).resolved()
+    given = sampling_cfg or SamplingConfig()
+    self.sampling = given.resolved()
+    if plan.per_request_sampling:          # sampled requests take the rule even when the default is greedy
+      self.sampling = dataclasses.replace(self.sampling, accept=given.accept)
     self.eos = resolve_eos(target_cfg, eos_ids)
     self.attn_impl, self.mesh = attn_impl, mesh
     self.cache_dtype = cache_dtype or target_params["embed"].dtype
@@ -570,6 +611,12 @@ class Engine:
     if self.state is None:
       self.start()
     check_requests(requests, self.cfg, self.plan)
+    for i, r in enumerate(requests):
+      if not self.plan.per_request_sampling and self.request_sampling(r) != self.request_sampling(Request([], 1)):
+        raise JetSpecError(f"request {i} asks for its own sampling (temperature, top_k, top_p) but this engine "
+                           f"compiles one setting (temperature {self.sampling.temperature:g}, top_k {self.sampling.top_k}, "
+                           f"top_p {self.sampling.top_p:g}); build it with "
+                           f"per_request_sampling=True in its plan")
     groups, entries, ids = [], [], []
     taken = [set(e) for e in self._entries]
     for i, _ in enumerate(requests):
@@ -588,14 +635,25 @@ class Engine:
       prompt[i, :len(r.prompt)] = r.prompt
     keys = jnp.stack([jax.random.key_data(r.key if r.key is not None else jax.random.fold_in(seed, rid))
                       for r, rid in zip(requests, ids)])
+    settings = np.asarray([self.request_sampling(r) for r in requests], np.float64)       # [R, 3]
     self.state = enqueue(self.state, jnp.asarray(groups, jnp.int32), jnp.asarray(entries, jnp.int32),
                          jnp.asarray(ids, jnp.int32), jnp.asarray(prompt),
                          jnp.asarray([len(r.prompt) for r in requests], jnp.int32),
-                         jnp.asarray([r.max_new_tokens for r in requests], jnp.int32), keys)
+                         jnp.asarray([r.max_new_tokens for r in requests], jnp.int32), keys,
+                         jnp.asarray(settings[:, 0], jnp.float32), jnp.asarray(settings[:, 1], jnp.int32),
+                         jnp.asarray(settings[:, 2], jnp.float32))
     for g, e, rid in zip(groups, entries, ids):
       self._entries[g][e] = rid
     self._next_id += len(requests)
     return ids
+
+  def request_sampling(self, r: Request) -> tuple[float, int, float]:
+    """(temperature, top_k, top_p) a request runs with: its own where set, else the engine's (greedy: 0, 0, 1)."""
+    s = self.sampling
+    t = s.temperature if r.temperature is None else float(r.temperature)
+    k = s.top_k if r.top_k is None else int(r.top_k)
+    p = s.top_p if r.top_p is None else float(r.top_p)
+    return (0.0, 0, 1.0) if t == 0.0 else (t, k, p)
 
   def _run_kwargs(self) -> dict:
     s = self.sampling
@@ -685,6 +743,14 @@ def check_requests(requests: Sequence[Request], cfg: Qwen3Config, plan: EnginePl
     if n + r.max_new_tokens > cfg.max_position_embeddings:
       raise JetSpecError(f"request {i}: a prompt of {n} tokens plus {r.max_new_tokens} new tokens exceeds the "
                          f"model's context of {cfg.max_position_embeddings} positions")
+    settings = {"temperature": r.temperature, "top_k": r.top_k, "top_p": r.top_p}
+    for name, v in settings.items():
+      if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating))):
+        raise JetSpecError(f"request {i}: {name} must be a number, got {v!r}")
+    try:
+      sampling.validate_sampling(*(d if v is None else v for v, d in zip(settings.values(), (0.0, 0, 1.0))))
+    except JetSpecError as e:
+      raise JetSpecError(f"request {i}: {e}") from None
     if plan is not None and (n > plan.max_prompt or r.max_new_tokens > plan.max_new_tokens):
       raise JetSpecError(f"request {i}: a prompt of {n} tokens with max_new_tokens {r.max_new_tokens} does not fit "
                          f"a slot (at most {plan.max_prompt} prompt tokens and {plan.max_new_tokens} new tokens)")

@@ -15,11 +15,17 @@ fold_in(keys[b], step) (step 0: the prefill's first token; step s >= 1: the s-th
 after the prefill). Inside a speculative round the draws are further folded with fixed tags
 (``DRAFT_TAG``, ``ACCEPT_TAG``) and the depth, so a drafter can reproduce the tree's Gumbel noise
 (``draft_gumbel``) from the state it is given.
+
+Parameters are either fixed (Python numbers: static, compiled into the program; temperature 0 is argmax)
+or per row (arrays, traced: one program serves any mix of requests). Per row, temperature 0 means the
+distribution with all its mass on the argmax (top_k 1 after no scaling), so sampling it is greedy; the
+rule above is the same, applied after a full-vocabulary sort (ties to the lower token id, as top_k).
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jetspec_jax.errors import JetSpecError
 
@@ -39,6 +45,11 @@ def validate_sampling(temperature: float, top_k: int, top_p: float, accept: str 
     raise JetSpecError(f"unknown acceptance rule {accept!r}; choose one of {', '.join(ACCEPT_RULES)}")
 
 
+def is_fixed(*params) -> bool:
+  """True when every sampling parameter is a Python / NumPy number (static), False for per-row arrays."""
+  return all(isinstance(v, (int, float, np.integer, np.floating)) for v in params)
+
+
 def _process_row(x: jax.Array, top_k: int, top_p: float) -> jax.Array:
   """One row [V] of temperature-scaled float32 logits -> masked logits (-inf outside the kept set)."""
   vocab = x.shape[-1]
@@ -53,11 +64,36 @@ def _process_row(x: jax.Array, top_k: int, top_p: float) -> jax.Array:
   return jnp.full((vocab,), -jnp.inf, jnp.float32).at[idx].set(jnp.where(keep, vals, -jnp.inf))
 
 
-def process_logits(logits: jax.Array, temperature: float, top_k: int = 0, top_p: float = 1.0) -> jax.Array:
+def _per_row(x: jax.Array, temperature, top_k, top_p) -> jax.Array:
+  """Per-row parameters [P...] (a prefix of x's leading dims, broadcast over the rest) -> masked logits."""
+  lead, vocab = x.shape[:-1], x.shape[-1]
+  expand = lambda a, dtype: jnp.broadcast_to(
+      jnp.reshape(a, jnp.shape(a) + (1,) * (len(lead) - jnp.ndim(a))), lead).astype(dtype).reshape(-1)
+  t, k, p = expand(temperature, jnp.float32), expand(top_k, jnp.int32), expand(top_p, jnp.float32)
+  greedy = t <= 0
+  k = jnp.where(greedy, 1, k)
+  flat = x.reshape(-1, vocab) / jnp.where(greedy, 1.0, t)[:, None]
+
+  def row(xr, kr, pr):
+    vals, idx = jax.lax.top_k(xr, vocab)                            # sorted, ties to the lower id
+    rank = jnp.arange(vocab)
+    keep = (kr <= 0) | (rank < kr)
+    probs = jax.nn.softmax(jnp.where(keep, vals, -jnp.inf))
+    before = jnp.cumsum(probs) - probs
+    keep &= (pr >= 1.0) | (before < pr) | (rank == 0)
+    return jnp.full((vocab,), -jnp.inf, jnp.float32).at[idx].set(jnp.where(keep, vals, -jnp.inf))
+
+  return jax.vmap(row)(flat, k, p).reshape(x.shape)
+
+
+def process_logits(logits: jax.Array, temperature, top_k=0, top_p=1.0) -> jax.Array:
   """logits [..., V] -> float32 log-probabilities [..., V] of the processed distribution.
 
-  ``temperature`` (> 0), ``top_k`` (0 = off) and ``top_p`` (1.0 = off) are static; see the
-  module docstring for the rule. Tokens outside the kept set get -inf."""
+  Fixed parameters: ``temperature`` (> 0), ``top_k`` (0 = off) and ``top_p`` (1.0 = off) are static
+  numbers. Per row: arrays of shape [P...], a prefix of logits' leading dims (temperature 0 rows: all
+  mass on the argmax). See the module docstring for the rule. Tokens outside the kept set get -inf."""
+  if not is_fixed(temperature, top_k, top_p):
+    return jax.nn.log_softmax(_per_row(logits.astype(jnp.float32), temperature, top_k, top_p), axis=-1)
   if temperature <= 0:
     raise JetSpecError("process_logits needs temperature > 0 (temperature 0 is greedy argmax)")
   x = logits.astype(jnp.float32) / jnp.float32(temperature)
@@ -68,11 +104,11 @@ def process_logits(logits: jax.Array, temperature: float, top_k: int = 0, top_p:
   return jax.nn.log_softmax(x, axis=-1)
 
 
-def sample_tokens(logits: jax.Array, key: jax.Array, temperature: float, top_k: int = 0,
-                  top_p: float = 1.0) -> jax.Array:
+def sample_tokens(logits: jax.Array, key: jax.Array, temperature, top_k=0, top_p=1.0) -> jax.Array:
   """logits [..., V] -> token ids [...] int32. Temperature 0: argmax (top_k / top_p ignored: the
-  most likely token is always kept). ``key`` is one key, or keys of shape [...] (one per row)."""
-  if temperature == 0.0:
+  most likely token is always kept). ``key`` is one key, or keys of shape [...] (one per row);
+  parameters fixed or per row as ``process_logits``."""
+  if is_fixed(temperature, top_k, top_p) and temperature == 0.0:
     return jnp.argmax(logits, axis=-1).astype(jnp.int32)
   logp = process_logits(logits, temperature, top_k, top_p)
   if key.shape == ():

@@ -176,28 +176,38 @@ def calibration_counts(tree_cfg: TreeConfig, counts):
   return hits, mass
 
 
-def build_round_tree(anchor, depth_logits, keys, tree_cfg: TreeConfig, *, temperature: float, top_k: int,
-                     top_p: float, accept: str, counts=None):
+def build_round_tree(anchor, depth_logits, keys, tree_cfg: TreeConfig, *, temperature, top_k, top_p, accept: str,
+                     counts=None):
   """The round's tree and the processed draft log-probs (None when greedy).
 
   Greedy: today's tree from the raw draft logits. match: the deterministic tree (top-W tokens) of
   the processed draft distribution. rejection: the same shape, child rank r at depth d holding the
   r-th Gumbel-top-k draw of the processed depth-d distribution (noise from ``keys``). counts: the
-  loop's (rank_hits, rank_mass) so far, read by online calibration."""
+  loop's (rank_hits, rank_mass) so far, read by online calibration. Sampling parameters fixed, or per
+  sequence [B] (``decode.sampling``): then each temperature-0 sequence gets the greedy tree and the
+  others theirs."""
   kw = dict(method=tree_cfg.method, budget=tree_cfg.budget, width=tree_cfg.width)
   if tree_cfg.method != "chain":
     kw.update(acceptance=tree_cfg.acceptance(), cap_threshold=tree_cfg.cap_threshold,
               prior_strength=tree_cfg.prior_strength)
   if tree_cfg.method == "calibrated":
     kw["counts"] = calibration_counts(tree_cfg, counts)
-  if temperature == 0.0:
+  fixed = sampling.is_fixed(temperature, top_k, top_p)
+  if fixed and temperature == 0.0:
     return build_tree(anchor, depth_logits, **kw), None
   logp = sampling.process_logits(depth_logits, temperature, top_k, top_p)          # [B, D, V]
+  shaped = logp
+  if not fixed:
+    greedy = (jnp.asarray(temperature) <= 0)[:, None, None]
+    shaped = jnp.where(greedy, depth_logits.astype(jnp.float32), logp)
   if accept == "match":
-    return build_tree(anchor, logp, **kw), logp
+    return build_tree(anchor, shaped, **kw), logp
   k = tree_cfg.num_candidates
   noise = sampling.draft_gumbel(keys, logp.shape[1], logp.shape[2])
-  return build_tree(anchor, logp, depth_tokens=sampling.gumbel_top_k(logp, noise, k), **kw), logp
+  tokens = sampling.gumbel_top_k(logp, noise, k)
+  if not fixed:          # greedy sequences: build_tree's own top-W tokens, no noise
+    tokens = jnp.where(greedy, jax.lax.top_k(jax.nn.log_softmax(shaped, axis=-1), k)[1], tokens)
+  return build_tree(anchor, shaped, depth_tokens=tokens, **kw), logp
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "head_cfg", "tree_cfg", "eos_ids", "attn_impl", "mesh",

@@ -63,12 +63,12 @@ def greedy_accept(tree: Tree, target_next: jax.Array, max_depth: int) -> Accepta
   return Acceptance(path=path.astype(jnp.int32), depth=depth, correction=correction)
 
 
-def _walk_one(tokens, parents, valid, logits, draft_logp, key, *, rule, max_depth, width, temperature, top_k,
-              top_p):
+def _walk_one(tokens, parents, valid, logits, draft_logp, key, temperature, top_k, top_p, *, rule, max_depth, width):
   """The acceptance walk of one sequence (see the module docstring); vmapped over the batch.
 
   tokens / parents / valid [N]; logits [N, V] raw target logits; draft_logp [D, V] processed draft
-  log-probs (rejection only); key: the round key. Returns (path [D+1], depth [], correction []).
+  log-probs (rejection only); key: the round key; the sequence's sampling parameters (fixed numbers
+  or traced scalars). Returns (path [D+1], depth [], correction []).
 
   Both loops are while_loops that stop at the first rejection (depth) or acceptance (siblings), so
   at batch 1 a round costs about tau steps instead of D + 1. Randomness: the step at depth d uses
@@ -129,21 +129,24 @@ def _walk_one(tokens, parents, valid, logits, draft_logp, key, *, rule, max_dept
 
 
 def sample_accept(tree: Tree, target_logits: jax.Array, draft_logp: jax.Array | None, round_keys: jax.Array, *,
-                  rule: str, max_depth: int, width: int, temperature: float, top_k: int = 0,
-                  top_p: float = 1.0) -> Acceptance:
+                  rule: str, max_depth: int, width: int, temperature, top_k=0, top_p=1.0) -> Acceptance:
   """Acceptance at temperature > 0 by ``rule`` ("match" | "rejection"; see the module docstring).
 
   target_logits [B, N, V] raw target logits at every node; draft_logp [B, D, V] the processed
   draft log-probs (``sampling.process_logits`` of the draft logits; unused by "match");
   round_keys [B] per-sequence keys of this round; max_depth D = the tree depth; width: the most
-  children a node can have (the tree width W; 1 for a chain). All but the arrays are static."""
+  children a node can have (the tree width W; 1 for a chain). Sampling parameters: fixed numbers (> 0
+  temperature) or per-sequence arrays [B] (a temperature-0 sequence's target distribution is all on
+  its argmax; ``decode.engine`` takes ``greedy_accept`` for those)."""
   if rule not in sampling.ACCEPT_RULES:
     raise ValueError(f"unknown acceptance rule {rule!r}")
   if draft_logp is None:
     draft_logp = jnp.zeros(target_logits.shape[:1] + (1, target_logits.shape[2]), jnp.float32)
-  walk = functools.partial(_walk_one, rule=rule, max_depth=max_depth, width=width, temperature=temperature,
-                           top_k=top_k, top_p=top_p)
-  path, depth, corr = jax.vmap(walk)(tree.tokens, tree.parents, tree.valid, target_logits, draft_logp, round_keys)
+  walk = functools.partial(_walk_one, rule=rule, max_depth=max_depth, width=width)
+  params = (temperature, top_k, top_p)
+  fixed = sampling.is_fixed(*params)
+  path, depth, corr = jax.vmap(walk, in_axes=(0,) * 6 + ((None,) * 3 if fixed else (0,) * 3))(
+      tree.tokens, tree.parents, tree.valid, target_logits, draft_logp, round_keys, *params)
   return Acceptance(path=path, depth=depth, correction=corr)
 
 
