@@ -5,6 +5,9 @@ at once, and Poisson arrivals at --rates) against the static-batch path on the s
 Part 2, slots 1, 4, 16 and 64 with the trained head: AR, the chain, fixed per-sequence budgets (every
 slot its whole best_nodes tree of n nodes) and the batch-wide budget the planner picks on this
 machine (``decode.planner``: calibration on the first requests), on the same mix with outputs capped.
+Part 3, what per-request sampling costs (``EnginePlan.per_request_sampling``): at --sampling-slots, AR and
+best_nodes (budget 16), greedy and Qwen3's sampling defaults (temperature 0.6, top_k 20, top_p 0.95), the
+engine compiled for the one setting against the per-request program on the same requests and keys.
 
     python bench/engine_load.py --workdir ~/.cache/jetspec-jax --out docs/benchmark_runs/engine_load.json
 
@@ -23,7 +26,7 @@ import jax.numpy as jnp
 from jetspec_jax import bench, convert, load
 from jetspec_jax.decode import planner
 from jetspec_jax.decode.engine import Engine, EnginePlan
-from jetspec_jax.decode.generation import Generator
+from jetspec_jax.decode.generation import Generator, SamplingConfig
 from jetspec_jax.decode.speculative import TreeConfig
 from jetspec_jax.tokenizer import load_tokenizer
 
@@ -33,14 +36,14 @@ def summary(res: dict) -> dict:
 
 
 def engine_for(cfg, params, requests, slots, *, tree=None, rows=None, head=None, lanes=1, prefill_rows=32,
-               key_buckets=1):
+               key_buckets=1, sampling_cfg=None, per_request_sampling=False):
   """An engine sized for ``requests`` (the same plan, hence the same compiled program, for any subset)."""
   plan = EnginePlan(slots=slots, rows=rows or slots * (1 if tree is None else tree.num_nodes()), lanes=lanes,
                     prefill_rows=prefill_rows, max_prompt=max(len(r.prompt) for r in requests),
                     max_new_tokens=max(r.max_new_tokens for r in requests), queue=max(len(requests), 8), tree=tree,
-                    key_buckets=key_buckets)
+                    key_buckets=key_buckets, per_request_sampling=per_request_sampling)
   kw = {} if tree is None else dict(head_cfg=head[0], head_params=head[1])
-  return Engine(cfg, params, plan, eos_ids=(), **kw)
+  return Engine(cfg, params, plan, eos_ids=(), sampling_cfg=sampling_cfg, **kw)
 
 
 def warm_run(engine, requests, **kw):
@@ -107,6 +110,42 @@ def part2(cfg, params, head, tokenizer, args, say):
   return out
 
 
+def part3(cfg, params, head, tokenizer, args, say):
+  slots = args.sampling_slots
+  requests = load.sharegpt_requests(tokenizer, 2 * slots, max_output=args.sweep_output, max_prompt=args.sweep_prompt)
+  settings = {"greedy": SamplingConfig(), "sampled": SamplingConfig(0.6, 20, 0.95, "rejection", seed=0)}
+  modes = {"ar": None, "best_b16": TreeConfig("best_nodes", 16, args.width, head[0].depth)}
+  out = {"slots": slots, "requests": len(requests), "settings": {k: v.describe() for k, v in settings.items()}}
+  for setting, sampling_cfg in settings.items():
+    for mode, tree in modes.items():
+      engines = {kind: engine_for(cfg, params, requests, slots, tree=tree, head=head, sampling_cfg=sampling_cfg,
+                                  per_request_sampling=kind == "per_request") for kind in ("fixed", "per_request")}
+      best, tokens = {}, {}
+      for rep in range(args.repeats):                  # interleaved passes; each program keeps its fastest
+        for kind, engine in engines.items():
+          r = warm_run(engine, requests) if rep == 0 else load.run_engine(engine, requests)
+          tokens[kind] = [q["tokens"] for q in r["requests"]]
+          if kind not in best or r["tokens_per_s"] > best[kind]["tokens_per_s"]:
+            best[kind] = summary(r)
+          say(f"{setting} {mode} {kind}: {r['tokens_per_s']:.0f} tokens/s, tau {r['tau']:.2f}")
+      out[f"{setting}_{mode}"] = {**best, "tokens_equal": tokens["fixed"] == tokens["per_request"],
+                                  "per_request_vs_fixed": best["per_request"]["tokens_per_s"]
+                                  / best["fixed"]["tokens_per_s"]}
+  return out
+
+
+def table3(res: dict) -> str:
+  lines = ["| setting | mode | fixed tok/s | per-request tok/s | ratio | tau (fixed / per-request) | tokens equal |",
+           "|---|---|---|---|---|---|---|"]
+  for key, row in res.items():
+    if isinstance(row, dict) and "fixed" in row:
+      setting, mode = key.split("_", 1)
+      f, p = row["fixed"], row["per_request"]
+      lines.append(f"| {setting} | {mode} | {f['tokens_per_s']:.0f} | {p['tokens_per_s']:.0f} | "
+                   f"{row['per_request_vs_fixed']:.2f} | {f['tau']:.2f} / {p['tau']:.2f} | {row['tokens_equal']} |")
+  return "\n".join(lines)
+
+
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--workdir", default=os.path.expanduser("~/.cache/jetspec-jax"))
@@ -118,8 +157,9 @@ def main(argv=None):
   p.add_argument("--sweep-output", type=int, default=96, help="output cap of part 2's requests")
   p.add_argument("--sweep-prompt", type=int, default=256, help="prompt cap of part 2's requests")
   p.add_argument("--key-buckets", type=int, default=4, help="part 1's engine (EnginePlan.key_buckets)")
-  p.add_argument("--parts", default="1,2")
-  p.add_argument("--repeats", type=int, default=2, help="part 2: interleaved passes per mode (the fastest kept)")
+  p.add_argument("--parts", default="1,2", help="comma-separated parts to run (1, 2, 3)")
+  p.add_argument("--sampling-slots", type=int, default=16, help="part 3's slots")
+  p.add_argument("--repeats", type=int, default=2, help="parts 2, 3: interleaved passes per mode (the fastest kept)")
   p.add_argument("--out", default=None)
   args = p.parse_args(argv)
   say = lambda s: print(s, flush=True)
@@ -131,6 +171,10 @@ def main(argv=None):
   if "2" in args.parts.split(","):
     head = convert.load_head(os.path.join(args.workdir, "head_run", "head_hf"), jnp.float32, target_cfg=cfg)
     result["batch_sweep"] = part2(cfg, params, head, tokenizer, args, say)
+  if "3" in args.parts.split(","):
+    head = convert.load_head(os.path.join(args.workdir, "head_run", "head_hf"), jnp.float32, target_cfg=cfg)
+    result["per_request_sampling"] = part3(cfg, params, head, tokenizer, args, say)
+    say(table3(result["per_request_sampling"]))
   if args.out:
     bench.write_json(args.out, result)
   return result
