@@ -266,6 +266,52 @@ def ar_case(name: str, target: Qwen3Config, committed: int, batch: int, devices:
   return row, {"cache_positions": committed, "batch": batch}
 
 
+ENGINE_SAMPLING = {"greedy": (False, 0.0), "sampled": (False, 0.6), "per_request": (True, 0.0)}
+
+
+def engine_case(name: str, c: ml_collections.ConfigDict, target: Qwen3Config, committed: int, slots: int,
+                devices: tuple, sampling: str, attention: str = "xla") -> tuple[dict, dict]:
+  """(table row, details) of one engine round (``engine.run_rounds``): ``slots`` slots, best_nodes trees of 16
+  nodes each verified whole, one prefill lane of 64 rows, bf16, mesh 1 x devices. ``sampling``: "greedy" /
+  "sampled" (Qwen3's 0.6 / 20 / 0.95, rejection) compiled in, or "per_request" (``per_request_sampling``)."""
+  from jetspec_jax.decode import engine
+  from jetspec_jax.decode.generation import SamplingConfig
+  mesh = make_mesh(1, len(devices), devices)
+  head_cfg = trainer.build_head_config(c, target, None)
+  tree = speculative.TreeConfig("best_nodes", 16, 7, head_cfg.depth)
+  per_request, temperature = ENGINE_SAMPLING[sampling]
+  plan = engine.EnginePlan(slots=slots, rows=slots * tree.num_nodes(), lanes=1, prefill_rows=64,
+                           max_prompt=committed - committed // 4, max_new_tokens=committed // 4, queue=2 * slots,
+                           tree=tree, per_request_sampling=per_request)
+  dtype = jnp.bfloat16
+  shapes = jax.eval_shape(lambda: engine.init_state(plan, target, head_cfg, dtype, dtype))
+  replicated = NamedSharding(mesh, P())
+  cache = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=named_sharding(qwen3.CACHE_AXES, x.shape, mesh))
+  small = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated)
+  state = shapes.replace(**{f: jax.tree.map(small, getattr(shapes, f)) for f in ("queue", "entry", "seq", "prompt_len",
+                                                                                 "max_new", "key", "temperature",
+                                                                                 "top_k", "top_p", "prefix_len",
+                                                                                 "last_token", "tokens", "num_tokens",
+                                                                                 "steps", "depth_hist", "rank_hits",
+                                                                                 "rank_mass", "round", "busy")},
+                         cache=jax.tree.map(cache, shapes.cache), draft_cache=jax.tree.map(cache, shapes.draft_cache))
+  target_params = abstract_params(qwen3.param_specs(target), dtype, mesh)
+  head_params = abstract_params(draft_head.param_specs(head_cfg), dtype, mesh)
+  sampling_cfg = SamplingConfig(temperature, 20, 0.95, "rejection") if temperature else SamplingConfig()
+  s = sampling_cfg.resolved()
+  t0 = time.perf_counter()
+  compiled = engine.run_rounds.lower(target_params, head_params, state, small(jax.ShapeDtypeStruct((), jnp.int32)),
+                                     plan=plan, cfg=target, head_cfg=head_cfg, eos_ids=(), temperature=s.temperature,
+                                     top_k=s.top_k, top_p=s.top_p, accept=s.accept, attn_impl=attention,
+                                     mesh=mesh).compile()
+  target_len, draft_len = plan.cache_lengths(head_cfg)
+  analytic = slots * decode_flops(target, head_cfg, tree.num_nodes(), target_len, draft_len, tree.depth)
+  row = {"config": name, "program": f"engine b16 x{slots} {sampling} (per round)", "mesh": f"1x{mesh.size}",
+         **memory_row(compiled), **flops_row(compiled, analytic, mesh.size, unknown_trips=1),
+         "compile_s": time.perf_counter() - t0}
+  return row, {"target_cache": target_len, "draft_cache": draft_len, "rows": plan.rows, "sampling": sampling}
+
+
 def regen_case(name: str, c: ml_collections.ConfigDict, target: Qwen3Config, batch: int, prompt: int,
                max_new: int, devices: tuple) -> tuple[list[dict], dict]:
   """(table rows, details) of regeneration on the config's mesh: the chunked prefill of ``batch`` prompts of
@@ -317,6 +363,8 @@ def main(argv: list[str] | None = None) -> int:
                  help="for the decode configs: the AR step and the budget-16 / budget-128 rounds at batch 1 and 64, "
                       "and the budget-128 round with the loop-free best_nodes tree (instead of the one decode row)")
   p.add_argument("--attention", default="xla", help="attention implementation inside the decode programs")
+  p.add_argument("--engine-slots", type=int, default=0,
+                 help="> 0: the engine's round at this many slots, greedy, sampled and per-request sampling")
   p.add_argument("--moe-dispatch", choices=("auto", "loop", "gather"), default="auto",
                  help="MoE expert dispatch (models/moe.py; auto: loop on CPU, gather on GPU)")
   p.add_argument("--budget-gb", type=float, default=80.0)
@@ -364,6 +412,10 @@ def main(argv: list[str] | None = None) -> int:
     elif name in DECODE_CONFIGS and not args.no_decode:
       programs.append(("decode", lambda: decode_case(name, c, target, args.decode_len, args.budget, devices,
                                                      attention=args.attention)))
+    if name in DECODE_CONFIGS and args.engine_slots:
+      for sampling in ENGINE_SAMPLING:
+        programs.append((f"engine/x{args.engine_slots}/{sampling}", lambda sampling=sampling: engine_case(
+            name, c, target, args.decode_len, args.engine_slots, devices, sampling, args.attention)))
     if name in REGEN_CONFIGS and not args.no_regen:
       programs.append(("regen", lambda: regen_case(name, c, target, *map(int, args.regen.split(",")), devices)))
     for kind, run in programs:
