@@ -121,6 +121,20 @@ def shard(x: jax.Array, axes, mesh: Mesh | None) -> jax.Array:
   return jax.device_put(x, s)
 
 
+def whole_vocab(x: jax.Array, mesh: Mesh | None) -> jax.Array:
+  """``x`` [R, ..., V] (under jit) laid out for per-row work along the vocabulary (sampling's sorts and
+  cumulative sums): the leading axis split over every device where it divides evenly (else over ``data``
+  where it does, else not), V whole on each device. With V split over ``model`` (the LM head's layout)
+  XLA's SPMD partitioner runs such a cumulative sum as a sequential loop over V / model elements
+  (compiled for H200: docs/gpu.md)."""
+  if mesh is None:
+    return x
+  rows = x.shape[0]
+  spec = (P(tuple(mesh.axis_names)) if rows % mesh.size == 0 else P("data") if rows % mesh.shape["data"] == 0
+          else P())
+  return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+
 def per_data_shard(fn, mesh: Mesh | None):
   """``fn`` run on each data shard's rows separately: every argument and result is split along its leading
   (batch) axis over ``data`` and replicated over ``model``. For per-row work that XLA would otherwise

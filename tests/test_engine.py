@@ -158,14 +158,17 @@ def test_a_2x2_mesh_equals_one_device(eight_devices):
   check_lossless(run, requests, EOS)
 
 
-def test_a_round_moves_nothing_between_data_shards(eight_devices):
-  """On a data-only mesh the compiled engine holds one collective: the loop predicate's all-reduce."""
+@pytest.mark.parametrize("sampling", ["greedy", "sampled", "per_request"])
+def test_a_round_moves_nothing_between_data_shards(eight_devices, sampling):
+  """On a data-only mesh the compiled engine holds one collective: the loop predicate's all-reduce (sampled:
+  the acceptance walk and the first tokens' draws run per data shard, as the tree)."""
   hcfg, hparams = head()
   mesh = sharding.make_mesh(4, 1, jax.devices()[:4])
   plan = EnginePlan(slots=8, rows=40, lanes=4, prefill_rows=8, max_prompt=16, max_new_tokens=8, queue=4, groups=4,
-                    tree=TreeConfig("best_nodes", 8, 3, 4))
+                    tree=TreeConfig("best_nodes", 8, 3, 4), per_request_sampling=sampling == "per_request")
   engine = Engine(CFG, placed(target(), qwen3.param_specs(CFG), mesh), plan, head_cfg=hcfg,
-                  head_params=placed(hparams, draft_head.param_specs(hcfg), mesh), mesh=mesh)
+                  head_params=placed(hparams, draft_head.param_specs(hcfg), mesh), mesh=mesh,
+                  sampling_cfg=SamplingConfig(0.7, 5, 0.9) if sampling == "sampled" else None)
   text = engine.lower().compile().as_text()
   collectives = re.findall(r"= \S+ (all-gather|all-reduce|collective-permute|all-to-all|reduce-scatter)(?:-start)?\(",
                            text)

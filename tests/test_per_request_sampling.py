@@ -8,11 +8,13 @@ import dataclasses
 import jax
 import pytest
 
+from jetspec_jax import sharding
 from jetspec_jax.decode.engine import Engine, EnginePlan, Request
 from jetspec_jax.decode.generation import SamplingConfig
 from jetspec_jax.decode.speculative import TreeConfig
 from jetspec_jax.errors import JetSpecError
-from test_engine import ar_reference, random_requests
+from jetspec_jax.models import draft_head, qwen3
+from test_engine import ar_reference, placed, random_requests
 from test_speculative import CFG, head, target
 
 SETTINGS = [(0.0, 0, 1.0), (0.8, 5, 1.0), (1.3, 0, 0.85)]      # (temperature, top_k, top_p): greedy, two sampled
@@ -74,3 +76,21 @@ def test_an_engine_with_one_compiled_setting_refuses_others():
   e.submit([Request([1, 2], 3), Request([1, 2], 3, temperature=0.7)])          # its own setting: fine
   with pytest.raises(JetSpecError, match="request 0 asks for its own sampling .* per_request_sampling=True"):
     e.submit([Request([1, 2], 3, temperature=0.0)])
+
+
+def test_a_2x2_mesh_equals_one_device(eight_devices):
+  """Two groups of slots over the data axis, heads and the vocabulary over the model axis (sampling's rows
+  laid out whole, ``sharding.whole_vocab``): the same tokens as one device, greedy and sampled requests mixed."""
+  requests = [dataclasses.replace(r, key=jax.random.key(100 + i), **dict(zip(("temperature", "top_k", "top_p"),
+                                                                             SETTINGS[i % 3])))
+              for i, r in enumerate(random_requests(11, 6, max_new=12))]
+  tree = TreeConfig("best_nodes", 8, 3, 4)
+  hcfg, hparams = head()
+  make = lambda mesh, t, h: Engine(CFG, t, dataclasses.replace(plan(tree, True), slots=4, rows=4 * tree.num_nodes(),
+                                                               lanes=2, groups=2, queue=3),
+                                   head_cfg=hcfg, head_params=h, eos_ids=(), sampling_cfg=SamplingConfig(), mesh=mesh)
+  ref = make(None, target(), hparams).run(requests)
+  mesh = sharding.make_mesh(2, 2, jax.devices()[:4])
+  run = make(mesh, placed(target(), qwen3.param_specs(CFG), mesh),
+             placed(hparams, draft_head.param_specs(hcfg), mesh)).run(requests)
+  assert [r.tokens for r in run.results] == [r.tokens for r in ref.results]

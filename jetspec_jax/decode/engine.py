@@ -50,7 +50,7 @@ from jetspec_jax.errors import JetSpecError
 from jetspec_jax.models import draft_head, qwen3
 from jetspec_jax.models.draft_head import DraftConfig
 from jetspec_jax.models.layers import PackedRows, write_rows
-from jetspec_jax.sharding import per_data_shard
+from jetspec_jax.sharding import per_data_shard, whole_vocab
 
 EMPTY, QUEUED, RUNNING, FINISHED = 0, 1, 2, 3     # queue entry status
 KEY_SHAPE = jax.random.key_data(jax.random.key(0)).shape
@@ -337,6 +337,10 @@ def engine_round(target_params, head_params, s: EngineState, *, plan: EnginePlan
     """The sampling parameters: the slots' own (mapped by ``rows``), or the compiled setting."""
     return tuple(rows(x) for x in row_params) if per_row else (temperature, top_k, top_p)
 
+  # Per request, a round in which no decoding slot of a data shard samples takes the greedy tree and acceptance
+  # there (a cond per shard): greedy traffic does not pay for the sampled rule's sorts and acceptance walk.
+  dec_params = (jnp.where(decoding, s.temperature, 0.0), s.top_k, s.top_p) if per_row else ()
+
   # Decode rows each slot offers, in the [B, N] attention layout.
   if tree_cfg is None:
     dec_tokens, dec_pos = s.last_token[:, None], s.prefix_len[:, None]
@@ -349,20 +353,28 @@ def engine_round(target_params, head_params, s: EngineState, *, plan: EnginePlan
                                                     attn_impl, mesh)
     with jax.named_scope("jetspec_tree"):
       def tree_and_scores(anchor, logits, round_keys, hits, mass, *rows):
-        t, k, p = rows or params()
-        tree, draft_logp = build_round_tree(anchor, logits, round_keys, tree_cfg, temperature=t, top_k=k, top_p=p,
-                                            accept=accept, counts=(hits, mass))
-        # The shape's log-probs (sorted top-W): with the rejection rule the tree holds sampled tokens, and what
-        # a round keeps must not depend on which were drawn.
-        shape_logp = tree.candidate_logp
-        if draft_logp is not None and accept == "rejection":
-          shape_logp = jax.lax.top_k(draft_logp, tree_cfg.num_candidates)[0]
-          if rows:
-            shape_logp = jnp.where((t <= 0)[:, None, None], tree.candidate_logp, shape_logp)
-        return tree, draft_logp, budget.node_scores(tree, budget.rank_scores(shape_logp, tree_cfg, (hits, mass)))
+        def build(t, k, p):
+          tree, draft_logp = build_round_tree(anchor, logits, round_keys, tree_cfg, temperature=t, top_k=k,
+                                              top_p=p, accept=accept, counts=(hits, mass))
+          # The shape's log-probs (sorted top-W): with the rejection rule the tree holds sampled tokens, and
+          # what a round keeps must not depend on which were drawn.
+          shape_logp = tree.candidate_logp
+          if draft_logp is not None and accept == "rejection":
+            shape_logp = jax.lax.top_k(draft_logp, tree_cfg.num_candidates)[0]
+            if not sampling.is_fixed(t, k, p):
+              shape_logp = jnp.where((t <= 0)[:, None, None], tree.candidate_logp, shape_logp)
+          if draft_logp is None and rows:
+            draft_logp = jnp.zeros(logits.shape, jnp.float32)
+          return tree, draft_logp, budget.node_scores(tree, budget.rank_scores(shape_logp, tree_cfg, (hits, mass)))
 
+        if not rows:
+          return build(*params())
+        return jax.lax.cond(jnp.any(rows[0] > 0), lambda: build(*rows), lambda: build(0.0, 0, 1.0))
+
+      if not greedy:                         # sampling's per-row sorts want whole rows (sharding.whole_vocab)
+        depth_logits = whole_vocab(depth_logits, mesh)
       tree, draft_logp, scores = per_data_shard(tree_and_scores, mesh)(s.last_token, depth_logits, step_keys,
-                                                                       s.rank_hits, s.rank_mass, *row_params)
+                                                                       s.rank_hits, s.rank_mass, *dec_params)
     dec_tokens, dec_pos, dec_mask = tree.tokens, s.prefix_len[:, None] + tree.depths, tree.ancestors
     node_priority = jnp.where(tree.valid, jnp.where(jnp.arange(n) == 0, budget.ROOT, scores), -jnp.inf)
     priority = jnp.where(decoding[:, None], node_priority, -jnp.inf)
@@ -398,7 +410,11 @@ def engine_round(target_params, head_params, s: EngineState, *, plan: EnginePlan
   with jax.named_scope("jetspec_accept"):
     lane_completes = lane_live & (lane_take == lane_remaining)
     lane_keys = sampling.step_keys(packed.lane_sequences(keys), 0)
-    lane_first = sampling.sample_tokens(lane_logits, lane_keys, *params(packed.lane_sequences))
+    if greedy:
+      lane_first = sampling.sample_tokens(lane_logits, lane_keys, temperature)
+    else:                                     # lanes are grouped by data shard, as slots
+      lane_first = per_data_shard(lambda lg, keys, *rows: sampling.sample_tokens(lg, keys, *(rows or params())), mesh)(
+          whole_vocab(lane_logits, mesh), lane_keys, *(params(packed.lane_sequences) if per_row else ()))
     slot_values = lambda v, fill: packed.set_lane_sequences(jnp.full((b,) + v.shape[1:], fill, v.dtype), v)
     consumed = slot_values(lane_take, 0)
     completes = slot_values(lane_completes, False)
@@ -409,28 +425,45 @@ def engine_round(target_params, head_params, s: EngineState, *, plan: EnginePlan
     def node_logits(cols):                                                   # cols [B, R] -> [B, R, V]
       rows = jnp.take_along_axis(row_of, cols, axis=1).reshape(plan.groups, per, -1)
       out = jax.vmap(lambda lg, r: lg[r])(logits, rows)
-      return out.reshape((b,) + out.shape[2:])
+      return whole_vocab(out.reshape((b,) + out.shape[2:]), mesh)
 
-    if greedy or (per_row and tree_cfg is not None):
+    if greedy or per_row:
       next_tokens = packed.scatter(jnp.argmax(logits, axis=-1).astype(jnp.int32)[..., None])[..., 0]   # [B, N]
     if tree_cfg is None:
-      new = next_tokens if greedy else sampling.sample_tokens(node_logits(jnp.zeros((b, 1), jnp.int32)),
-                                                             step_keys[:, None], *params(lambda x: x[:, None]))
+      if greedy:
+        new = next_tokens
+      elif per_row:
+        def choose(lg, keys, greedy_next, t, k, p):
+          sampled = lambda: sampling.sample_tokens(lg, keys, t[:, None], k[:, None], p[:, None])
+          return jax.lax.cond(jnp.any(t > 0), sampled, lambda: greedy_next)
+        new = per_data_shard(choose, mesh)(node_logits(jnp.zeros((b, 1), jnp.int32)), step_keys[:, None], next_tokens,
+                                           *dec_params)
+      else:
+        new = per_data_shard(lambda lg, keys: sampling.sample_tokens(lg, keys, temperature, top_k, top_p), mesh)(
+            node_logits(jnp.zeros((b, 1), jnp.int32)), step_keys[:, None])
       count = jnp.ones((b,), jnp.int32)
       correction = new[:, 0]
     else:
       tree = tree.replace(valid=tree.valid & chosen)
+      node_lg = lambda: node_logits(jnp.broadcast_to(jnp.arange(n), (b, n)))
+      sampled_acceptance = functools.partial(verify.sample_accept, rule=accept, max_depth=d,
+                                             width=tree_cfg.num_candidates)
       if greedy:
         acc = verify.greedy_accept(tree, next_tokens, d)
+      elif per_row:
+        def accept_rows(tree, lg, draft_lp, keys, greedy_next, t, k, p):
+          greedy_acc = verify.greedy_accept(tree, greedy_next, d)
+
+          def sampled():                       # greedy requests keep the target's argmax path, exactly
+            acc = sampled_acceptance(tree, lg, draft_lp if accept == "rejection" else None, keys, temperature=t,
+                                     top_k=k, top_p=p)
+            return jax.tree.map(lambda g_, s_: jnp.where((t <= 0).reshape((-1,) + (1,) * (g_.ndim - 1)), g_, s_),
+                                greedy_acc, acc)
+          return jax.lax.cond(jnp.any(t > 0), sampled, lambda: greedy_acc)
+        acc = per_data_shard(accept_rows, mesh)(tree, node_lg(), draft_logp, step_keys, next_tokens, *dec_params)
       else:
-        t, k, p = params()
-        acc = verify.sample_accept(tree, node_logits(jnp.broadcast_to(jnp.arange(n), (b, n))),
-                                   draft_logp if accept == "rejection" else None, step_keys, rule=accept,
-                                   max_depth=d, width=tree_cfg.num_candidates, temperature=t, top_k=k, top_p=p)
-        if per_row:                            # greedy requests: the target's argmax path, exactly
-          row_greedy = s.temperature <= 0
-          acc = jax.tree.map(lambda g_, s_: jnp.where(row_greedy.reshape((-1,) + (1,) * (g_.ndim - 1)), g_, s_),
-                             verify.greedy_accept(tree, next_tokens, d), acc)
+        acc = per_data_shard(functools.partial(sampled_acceptance, temperature=temperature, top_k=top_k, top_p=top_p),
+                             mesh)(tree, node_lg(), draft_logp if accept == "rejection" else None, step_keys)
       new, count = verify.accepted_tokens(tree, acc)
       correction = acc.correction
 

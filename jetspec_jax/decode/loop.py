@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from jetspec_jax.config import Qwen3Config
 from jetspec_jax.decode.sampling import sample_tokens, sequence_keys, step_keys
 from jetspec_jax.models import qwen3
+from jetspec_jax.sharding import whole_vocab
 
 
 @flax.struct.dataclass
@@ -114,7 +115,8 @@ def prefill(params, cache, prompt, prompt_len, key, *, cfg: Qwen3Config, max_new
       taps = jnp.moveaxis(taps, 0, 1).reshape(batch, length, taps.shape[-1])
   logits = target.logits(h)
   keys = sequence_keys(key, batch) if key.ndim == 0 else key
-  first = sample_tokens(logits[:, 0], step_keys(keys, 0), temperature, top_k, top_p)
+  first = sample_tokens(whole_vocab(logits[:, 0], mesh) if temperature else logits[:, 0], step_keys(keys, 0),
+                        temperature, top_k, top_p)
   out = jnp.full((batch, max_new_tokens), -1, jnp.int32)
   zeros = jnp.zeros((batch,), jnp.int32)
   out, num, done, _ = commit_tokens(out, zeros, jnp.zeros((batch,), bool), first[:, None],
@@ -138,7 +140,8 @@ def ar_decode(params, state: DecodeState, *, cfg: Qwen3Config, eos_ids: tuple[in
     h, cache, _ = target.hidden(s.last_token[:, None], s.prefix_len[:, None], one_mask, cache=s.cache,
                                 prefix_len=s.prefix_len, attn_impl=attn_impl, mesh=mesh)
     logits = target.logits(h)
-    nxt = sample_tokens(logits[:, 0], step_keys(s.key, s.steps + 1), temperature, top_k, top_p)
+    nxt = sample_tokens(whole_vocab(logits[:, 0], mesh) if temperature else logits[:, 0],
+                        step_keys(s.key, s.steps + 1), temperature, top_k, top_p)
     active = ~s.done
     tokens, num, done, _ = commit_tokens(s.tokens, s.num_tokens, s.done, nxt[:, None],
                                          jnp.ones((batch,), jnp.int32), eos_ids)

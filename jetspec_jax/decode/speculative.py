@@ -39,6 +39,7 @@ from jetspec_jax.decode.tree import TREE_METHODS, build_tree, tree_size
 from jetspec_jax.errors import JetSpecError
 from jetspec_jax.models import draft_head, qwen3
 from jetspec_jax.models.draft_head import DraftConfig
+from jetspec_jax.sharding import whole_vocab
 
 
 ONLINE_MODES = ("off", "batch", "sequence")
@@ -231,6 +232,8 @@ def spec_decode(target_params, head_params, state: SpecState, *, cfg: Qwen3Confi
       depth_logits, draft_cache = drafter(target_params, head_params, s, cfg=cfg, head_cfg=head_cfg,
                                           tree_cfg=tree_cfg, attn_impl=attn_impl, mesh=mesh)
     keys = round_keys(s)
+    if temperature:                          # sampling's per-row sorts want whole rows (sharding.whole_vocab)
+      depth_logits = whole_vocab(depth_logits, mesh)
     with jax.named_scope("jetspec_tree"):
       tree, draft_logp = build_round_tree(b.last_token, depth_logits, keys, tree_cfg, temperature=temperature,
                                           top_k=top_k, top_p=top_p, accept=accept,
@@ -243,7 +246,8 @@ def spec_decode(target_params, head_params, state: SpecState, *, cfg: Qwen3Confi
         target_next = jnp.argmax(logits, axis=-1).astype(jnp.int32)
         acc = verify.greedy_accept(tree, target_next, depth)
       else:
-        acc = verify.sample_accept(tree, logits, draft_logp if accept == "rejection" else None, keys, rule=accept,
+        acc = verify.sample_accept(tree, whole_vocab(logits, mesh), draft_logp if accept == "rejection" else None,
+                                   keys, rule=accept,
                                    max_depth=depth, width=width, temperature=temperature, top_k=top_k, top_p=top_p)
     with jax.named_scope("jetspec_commit"):
       cache = verify.compact_cache(cache, b.prefix_len, acc.path)
