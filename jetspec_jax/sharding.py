@@ -122,17 +122,17 @@ def shard(x: jax.Array, axes, mesh: Mesh | None) -> jax.Array:
 
 
 def whole_vocab(x: jax.Array, mesh: Mesh | None) -> jax.Array:
-  """``x`` [R, ..., V] (under jit) laid out for per-row work along the vocabulary (sampling's sorts and
-  cumulative sums): the leading axis split over every device where it divides evenly (else over ``data``
-  where it does, else not), V whole on each device. With V split over ``model`` (the LM head's layout)
-  XLA's SPMD partitioner runs such a cumulative sum as a sequential loop over V / model elements
-  (compiled for H200: docs/gpu.md)."""
+  """``x`` [R, ..., V] (under jit; V split over ``model``, the LM head's layout) gathered for per-row work
+  along the vocabulary (sampling's sorts and cumulative sums): rows split over ``data`` where they divide
+  evenly, V whole on every device. With V split XLA's SPMD partitioner runs a cumulative sum over it as a
+  sequential loop over V / model elements (compiled for H200: docs/gpu.md). The first constraint pins the
+  producer's layout, so the gather happens here and does not propagate back into the LM head's matmul."""
   if mesh is None:
     return x
-  rows = x.shape[0]
-  spec = (P(tuple(mesh.axis_names)) if rows % mesh.size == 0 else P("data") if rows % mesh.shape["data"] == 0
-          else P())
-  return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+  rows = "data" if x.shape[0] % mesh.shape["data"] == 0 else None
+  vocab = "model" if x.shape[-1] % mesh.shape["model"] == 0 else None
+  x = jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(rows, *([None] * (x.ndim - 2)), vocab)))
+  return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(rows)))
 
 
 def per_data_shard(fn, mesh: Mesh | None):
