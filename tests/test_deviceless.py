@@ -71,3 +71,40 @@ def test_the_check_sees_the_tile_loop_dispatch():
   _, target = small_case("loop")
   ar, _ = aot_memory.ar_case("small_moe", target, 512, 1, deviceless.h200_devices(2))
   assert ar["while_loops"] >= target.num_hidden_layers, ar
+
+
+@needs_plugin
+def test_sampling_over_a_split_vocabulary_for_h200_leaves_no_loop():
+  """Logits [R, V] with V split over 8 H200s (the LM head's layout): the per-row sampling rule's cumulative sum
+  compiles to a sequential loop over V / 8 elements unless the rows are gathered whole first
+  (``sharding.whole_vocab``); with them whole, no loop and no conditional."""
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  from jetspec_jax.decode import sampling
+  from jetspec_jax.sharding import whole_vocab
+  mesh = deviceless.h200_mesh(1, 8)
+  rows, vocab = 16, 8192
+  sds = lambda shape, dt, spec: jax.ShapeDtypeStruct(shape, dt, sharding=NamedSharding(mesh, spec))
+  args = (sds((rows, vocab), jnp.float32, P(None, "model")), sds((rows, 2), jnp.uint32, P()),
+          sds((rows,), jnp.float32, P()), sds((rows,), jnp.int32, P()), sds((rows,), jnp.float32, P()))
+
+  def draw(gather):
+    def f(x, key, t, k, p):
+      return sampling.sample_tokens(whole_vocab(x, mesh) if gather else x, jax.random.wrap_key_data(key), t, k, p)
+    return loop_report(jax.jit(f).lower(*args).compile().as_text(), per_iteration=False)
+
+  split, whole = draw(False), draw(True)
+  assert split["while_loops"] >= 1, split                                  # control: the check sees the scan
+  assert whole["while_loops"] == 0 and whole["conditionals"] == 0, whole
+
+
+@needs_plugin
+def test_the_engine_round_with_per_request_sampling_for_h200():
+  """One engine round on 2 H200s (mesh 1 x 2): greedy compiled in holds no loop or conditional; per-request
+  sampling holds the sampled acceptance walk's two loops and the two greedy-round conditionals, nothing else."""
+  c, target = small_case()
+  devices = deviceless.h200_devices(2)
+  greedy, _ = aot_memory.engine_case("small_moe", c, target, 512, 8, devices, "greedy")
+  assert greedy["while_loops"] == 0 and greedy["conditionals"] == 0, greedy
+  mixed, _ = aot_memory.engine_case("small_moe", c, target, 512, 8, devices, "per_request")
+  assert mixed["while_loops"] == 2 and mixed["conditionals"] == 2, mixed
+  assert all("jetspec_accept" in op or "jetspec_tree/cond" in op for op in mixed["control_flow"]), mixed["control_flow"]
