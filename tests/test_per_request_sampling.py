@@ -52,6 +52,8 @@ def test_each_request_samples_as_an_engine_compiled_for_its_setting(tree, accept
 
 
 def test_requests_take_the_engine_setting_where_they_leave_it_out():
+  sized = Engine.for_requests(CFG, target(), [Request([1], 2)], slots=1, per_request_sampling=True)
+  assert sized.plan.per_request_sampling
   e = engine(None, True, SamplingConfig(0.7, 3, 0.9, seed=1))
   assert e.request_sampling(Request([1], 2)) == (0.7, 3, 0.9)
   assert e.request_sampling(Request([1], 2, top_p=0.5)) == (0.7, 3, 0.5)

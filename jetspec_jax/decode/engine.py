@@ -616,7 +616,8 @@ class Engine:
   @classmethod
   def for_requests(cls, target_cfg: Qwen3Config, target_params: dict, requests: Sequence[Request], *, slots: int,
                    rows: int | None = None, lanes: int | None = None, prefill_rows: int = 32, groups: int = 1,
-                   tree: TreeConfig | None = None, key_buckets: int = 1, **kw) -> "Engine":
+                   tree: TreeConfig | None = None, key_buckets: int = 1, per_request_sampling: bool = False,
+                   **kw) -> "Engine":
     """An engine whose slot capacity fits ``requests`` (rows default: every slot's whole tree; lanes: one per
     group)."""
     check_requests(requests, target_cfg)
@@ -624,7 +625,8 @@ class Engine:
     plan = EnginePlan(slots=slots, rows=rows or slots * nodes, lanes=lanes or groups, prefill_rows=prefill_rows,
                       max_prompt=max(len(r.prompt) for r in requests),
                       max_new_tokens=max(r.max_new_tokens for r in requests),
-                      queue=-(-len(requests) // groups), groups=groups, tree=tree, key_buckets=key_buckets)
+                      queue=-(-len(requests) // groups), groups=groups, tree=tree, key_buckets=key_buckets,
+                      per_request_sampling=per_request_sampling)
     return cls(target_cfg, target_params, plan, **kw)
 
   @property
