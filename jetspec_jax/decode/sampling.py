@@ -50,17 +50,17 @@ def is_fixed(*params) -> bool:
   return all(isinstance(v, (int, float, np.integer, np.floating)) for v in params)
 
 
-def _process_row(x: jax.Array, top_k: int, top_p: float) -> jax.Array:
-  """One row [V] of temperature-scaled float32 logits -> masked logits (-inf outside the kept set)."""
+def _process_row(x: jax.Array, width: int, top_k, top_p) -> jax.Array:
+  """One row [V] of temperature-scaled float32 logits -> masked logits (-inf outside the kept set): the
+  ``width`` (static) most likely tokens sorted, then top_k (<= 0: off) and top_p (>= 1: off), fixed or traced."""
   vocab = x.shape[-1]
-  k = top_k if 0 < top_k < vocab else vocab
-  vals, idx = jax.lax.top_k(x, k)                                  # sorted, ties to the lower id
-  keep = jnp.ones((k,), bool)
-  if top_p < 1.0:
-    probs = jax.nn.softmax(vals)
+  vals, idx = jax.lax.top_k(x, width)                              # sorted, ties to the lower id
+  rank = jnp.arange(width)
+  keep = (top_k <= 0) | (rank < top_k)
+  if not (is_fixed(top_p) and top_p >= 1.0):
+    probs = jax.nn.softmax(jnp.where(keep, vals, -jnp.inf))
     before = jnp.cumsum(probs) - probs                             # mass strictly before each rank
-    keep = before < jnp.float32(top_p)
-    keep = keep.at[0].set(True)
+    keep &= (top_p >= 1.0) | (before < top_p) | (rank == 0)       # the most likely token is always kept
   return jnp.full((vocab,), -jnp.inf, jnp.float32).at[idx].set(jnp.where(keep, vals, -jnp.inf))
 
 
@@ -73,17 +73,7 @@ def _per_row(x: jax.Array, temperature, top_k, top_p) -> jax.Array:
   greedy = t <= 0
   k = jnp.where(greedy, 1, k)
   flat = x.reshape(-1, vocab) / jnp.where(greedy, 1.0, t)[:, None]
-
-  def row(xr, kr, pr):
-    vals, idx = jax.lax.top_k(xr, vocab)                            # sorted, ties to the lower id
-    rank = jnp.arange(vocab)
-    keep = (kr <= 0) | (rank < kr)
-    probs = jax.nn.softmax(jnp.where(keep, vals, -jnp.inf))
-    before = jnp.cumsum(probs) - probs
-    keep &= (pr >= 1.0) | (before < pr) | (rank == 0)
-    return jnp.full((vocab,), -jnp.inf, jnp.float32).at[idx].set(jnp.where(keep, vals, -jnp.inf))
-
-  return jax.vmap(row)(flat, k, p).reshape(x.shape)
+  return jax.vmap(lambda r, kr, pr: _process_row(r, vocab, kr, pr))(flat, k, p).reshape(x.shape)
 
 
 def process_logits(logits: jax.Array, temperature, top_k=0, top_p=1.0) -> jax.Array:
@@ -100,7 +90,8 @@ def process_logits(logits: jax.Array, temperature, top_k=0, top_p=1.0) -> jax.Ar
   vocab = x.shape[-1]
   if (0 < top_k < vocab) or top_p < 1.0:
     flat = x.reshape(-1, vocab)
-    x = jax.vmap(lambda r: _process_row(r, top_k, top_p))(flat).reshape(x.shape)
+    width = top_k if 0 < top_k < vocab else vocab
+    x = jax.vmap(lambda r: _process_row(r, width, 0, top_p))(flat).reshape(x.shape)
   return jax.nn.log_softmax(x, axis=-1)
 
 
