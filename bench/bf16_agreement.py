@@ -1,6 +1,6 @@
 """How often greedy speculative decoding in bfloat16 differs from greedy AR decoding in bfloat16, and why.
 
-In float32 speculative output equals AR output (tested). In bfloat16 a verify forward of N tree nodes and a
+In float32 speculative output equals AR output up to float32 near-ties (``decode.agreement``'s rule, tested). In bfloat16 a verify forward of N tree nodes and a
 one-token AR step round differently (other matmul shapes, other reduction orders), so where the target's
 top two logits are nearly tied the argmax can flip and the two outputs part. For each mode this prints
 the share of sequences whose tokens equal AR's, the mean position where the others first differ, and the
@@ -25,6 +25,7 @@ import numpy as np
 
 from jetspec_jax import bench, convert, demo
 from jetspec_jax.config import Qwen3Config
+from jetspec_jax.decode import agreement
 from jetspec_jax.decode.generation import Generator
 from jetspec_jax.decode.speculative import TreeConfig
 from jetspec_jax.models import draft_head, qwen3
@@ -33,20 +34,9 @@ from jetspec_jax.tokenizer import load_tokenizer
 NAME = "bf16_agreement"
 
 
-def first_difference(a: list[int], b: list[int]) -> int | None:
-  """The first position where two token lists differ (None: equal)."""
-  for i, (x, y) in enumerate(zip(a, b)):
-    if x != y:
-      return i
-  return None if len(a) == len(b) else min(len(a), len(b))
-
-
 def top2_gap(cfg, params32, prompt: list[int], generated: list[int], position: int) -> float:
   """float32 logit gap between the target's top two tokens for generated token ``position``."""
-  ids = jnp.asarray([list(prompt) + list(generated[:position])], jnp.int32)
-  target = qwen3.bind(cfg, params32)
-  h, _, _ = target.hidden(ids, jnp.arange(ids.shape[1])[None], qwen3.causal_mask(1, ids.shape[1]))
-  top = jnp.sort(target.logits(h[:, -1:])[0, 0])[-2:]
+  top = np.sort(agreement.last_logits(cfg, params32, list(prompt) + list(generated[:position])))[-2:]
   return float(top[1] - top[0])
 
 
@@ -59,7 +49,7 @@ def compare(name: str, cfg, params, head_cfg, head_params, prompts, max_new: int
   for label, tree in trees:
     spec = Generator(cfg, p16, head_cfg=head_cfg, head_params=h16, tree=tree, eos_ids=(),
                      attn_impl=attn_impl).generate(prompts, max_new).tokens
-    diffs = [(i, first_difference(a, s)) for i, (a, s) in enumerate(zip(ar, spec))]
+    diffs = [(i, agreement.first_difference(a, s)) for i, (a, s) in enumerate(zip(ar, spec))]
     parted = [(i, d) for i, d in diffs if d is not None]
     gaps = [top2_gap(cfg, params, prompts[i], ar[i], d) for i, d in parted]
     rows.append({"model": name, "attention": attn_impl, "mode": label, "sequences": len(prompts),

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 
 from jetspec_jax import bench, convert, load
 from jetspec_jax.decode import planner
+from jetspec_jax.decode.agreement import compare
 from jetspec_jax.decode.engine import Engine, EnginePlan
 from jetspec_jax.decode.generation import Generator, SamplingConfig
 from jetspec_jax.decode.speculative import TreeConfig
@@ -64,7 +65,8 @@ def part1(cfg, params, tokenizer, args, say):
   runs = {}
   for rate in [None] + args.rates:
     res = warm_run(engine, requests, rate=rate)
-    assert [r["tokens"] for r in res["requests"]] == static["tokens"], "engine tokens differ from the static path"
+    same = compare(cfg, params, [r.prompt for r in requests], static["tokens"], [r["tokens"] for r in res["requests"]])
+    assert same.agree, f"engine tokens differ from the static path beyond near-ties: {same.as_dict()['parted_elsewhere']}"
     runs["all_at_once" if rate is None else f"rate_{rate:g}"] = res
     say(f"engine rate {rate}: {res['tokens_per_s']:.0f} tokens/s, occupancy {res['occupancy']:.3f}, "
         f"TTFT p50 {res['ttft_s']['p50']:.2f}s, TPOT p50 {res['tpot_s']['p50'] * 1e3:.1f}ms")
@@ -128,7 +130,9 @@ def part3(cfg, params, head, tokenizer, args, say):
           if kind not in best or r["tokens_per_s"] > best[kind]["tokens_per_s"]:
             best[kind] = summary(r)
           say(f"{setting} {mode} {kind}: {r['tokens_per_s']:.0f} tokens/s, tau {r['tau']:.2f}")
-      out[f"{setting}_{mode}"] = {**best, "tokens_equal": tokens["fixed"] == tokens["per_request"],
+      equal = (compare(cfg, params, [r.prompt for r in requests], tokens["fixed"], tokens["per_request"]).label()
+               if setting == "greedy" else tokens["fixed"] == tokens["per_request"])   # the rule is for greedy tokens
+      out[f"{setting}_{mode}"] = {**best, "tokens_equal": equal,
                                   "per_request_vs_fixed": best["per_request"]["tokens_per_s"]
                                   / best["fixed"]["tokens_per_s"]}
   return out

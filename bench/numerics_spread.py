@@ -45,7 +45,12 @@ def child(workdir: str, quick: bool, overrides: dict) -> None:
          "tau": {bank: {name: m["tau"] for name, m in r["modes"].items() if name != "ar"}
                  for bank, r in res["bench"].items()},
          "speedup": {bank: {name: m["speedup_vs_ar"] for name, m in r["modes"].items() if name != "ar"}
-                     for bank, r in res["bench"].items()}}
+                     for bank, r in res["bench"].items()},
+         "ar_ties": {bank: {name: m["ar_ties"] for name, m in r["modes"].items() if m.get("ar_ties")}
+                     for bank, r in res["bench"].items()},
+         "parted_elsewhere": {bank: {name: m["parted_elsewhere"] for name, m in r["modes"].items()
+                                     if m.get("parted_elsewhere")} for bank, r in res["bench"].items()},
+         "ar_batch_invariance": {bank: r["ar_batch_invariance"] for bank, r in res["bench"].items()}}
   print("RESULT " + json.dumps(out))
 
 
@@ -108,7 +113,11 @@ def main(argv=None) -> None:
   for name in names:
     print(f"[{name}] XLA_FLAGS={VARIANTS[name][0] or '(none)'} cpus={VARIANTS[name][1] or 'all'}", flush=True)
     results[name] = run_variant(name, a.workdir, a.quick, a.set)
-    print(f"  head loss {results[name]['head_loss']:.3f}, {results[name]['wall_s']:.0f}s", flush=True)
+    r = results[name]
+    ties = [f"{bank} {mode} prompt {t['prompt']} token {t['token']} ({t['ulps']:.0f} ulps)"
+            for bank, modes in r["ar_ties"].items() for mode, ts in modes.items() for t in ts]
+    print(f"  head loss {r['head_loss']:.3f}, {r['wall_s']:.0f}s, {'OK' if r['ok'] else 'FAILED'}; ties: "
+          f"{'; '.join(ties) or 'none'}", flush=True)
   rows = spread_table(results)
   print(bench.format_table(rows))
   report = {"machine": bench.machine_info(), "quick": a.quick, "overrides": overrides, "variants": results,

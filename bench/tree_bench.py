@@ -28,7 +28,8 @@ import os
 
 import jax.numpy as jnp
 
-from jetspec_jax import bench, convert
+from jetspec_jax import banks, bench, convert
+from jetspec_jax.decode.agreement import compare
 from jetspec_jax.decode.generation import Generator, acceptance
 from jetspec_jax.decode.profile import expected_tau, optimal_static_tree
 from jetspec_jax.decode.speculative import TreeConfig
@@ -71,9 +72,9 @@ def bank_prompts(bank: str, tokenizer, s: DemoSettings, args):
   bench nor the head's training data uses (HumanEval problems below ``regen_humaneval_from``; ShareGPT
   conversations after the bench's)."""
   offset = 0 if bank == "humaneval" else s.pretrain_conversations + s.regen_conversations
-  bench_p = bench.prompt_bank(bank, tokenizer, num_prompts=s.bench_prompts, prompt_len=s.bench_prompt_len,
+  bench_p = banks.prompt_bank(bank, tokenizer, num_prompts=s.bench_prompts, prompt_len=s.bench_prompt_len,
                               offset=offset)
-  prof_p = bench.prompt_bank(bank, tokenizer, num_prompts=args.profile_prompts, prompt_len=s.bench_prompt_len,
+  prof_p = banks.prompt_bank(bank, tokenizer, num_prompts=args.profile_prompts, prompt_len=s.bench_prompt_len,
                              offset=offset + args.profile_offset,
                              stop=s.regen_humaneval_from if bank == "humaneval" else None)
   return bench_p, prof_p
@@ -102,7 +103,7 @@ def main(argv=None) -> dict:
   width, depth, new = s.bench_width, head_cfg.depth, s.bench_new_tokens
   result = {"machine": bench.machine_info(), "workdir": root, "width": width, "depth": depth, "budgets": budgets,
             "max_new_tokens": new, "banks": {}}
-  for bank in args.bank or list(bench.BANKS):
+  for bank in args.bank or list(banks.BANKS):
     bench_p, prof_p = bank_prompts(bank, tokenizer, s, args)
     profile_tree = TreeConfig("best_nodes", args.profile_budget, width, depth)
     prof, prof_tau = bench.collect_profile(params, cfg, head_params, head_cfg, prof_p, profile_tree,
@@ -125,7 +126,7 @@ def main(argv=None) -> dict:
       row = {"method": name, "budget": tc.num_nodes(), "tau": acc["tau"], "ms/round": bench.median(ms_per_round),
              "tok/s": bench.median([sum(int(o.num_tokens.sum()) for o in ps) / sum(o.prefill_s + o.decode_s for o in ps)
                                     for ps in passes]),
-             "== AR": [t for o in outs for t in o.tokens] == ar_tokens}
+             "== AR": compare(cfg, params, bench_p, ar_tokens, [t for o in outs for t in o.tokens]).label()}
       if tc.method == "static":
         shape = optimal_static_tree(prof.fitted(depth, width), b)
         row["expected tau"] = expected_tau(prof.acceptance()[:depth, :width], shape.parents, shape.depths,

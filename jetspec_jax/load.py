@@ -30,7 +30,7 @@ from jetspec_jax.errors import JetSpecError
 def sharegpt_requests(tokenizer, num: int, *, max_output: int = 1024, max_prompt: int = 1024,
                       context: int = 2048, offset: int = 0) -> list[Request]:
   """``num`` requests from ShareGPT conversations ``offset`` on (see the module docstring)."""
-  from jetspec_jax.bench import _chat_prompt_ids
+  from jetspec_jax.banks import chat_prompt_ids
   from jetspec_jax.train.sources import iter_conversations
   out, seen = [], 0
   for conv in iter_conversations("sharegpt"):
@@ -39,7 +39,7 @@ def sharegpt_requests(tokenizer, num: int, *, max_output: int = 1024, max_prompt
     seen += 1
     if seen <= offset:
       continue
-    prompt = _chat_prompt_ids(tokenizer, conv[0]["content"])
+    prompt = chat_prompt_ids(tokenizer, conv[0]["content"])
     reply = len(tokenizer(conv[1]["content"])["input_ids"])
     if len(prompt) < 4 or reply < 4 or len(prompt) > max_prompt or len(prompt) + reply > context:
       continue

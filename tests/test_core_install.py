@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from safetensors.numpy import load_file
 
+from greedy import assert_agree
 from jetspec_jax import convert
 from jetspec_jax.config import Qwen3Config
 from jetspec_jax.models import draft_head, qwen3
@@ -48,7 +49,8 @@ def test_convert_generate_export_need_no_extras(tmp_path):
   outputs, summary = [json.loads(line) for line in lines[:-1]], json.loads(lines[-1])
   assert summary == {"codes": [0, 0, 0, 0], "imported": []}
   ar, spec = outputs[1], outputs[2]
-  assert len(ar["token_ids"]) == 6 and spec["token_ids"] == ar["token_ids"]        # greedy speculative == AR
+  assert len(ar["token_ids"]) == 6                                                   # greedy speculative == AR:
+  assert_agree(CFG, params, [[1, 2, 3]], [ar["token_ids"]], [spec["token_ids"]])
   original, exported = load_file(os.path.join(hf, "model.safetensors")), {}
   for name in outputs[3]["files"]:
     exported.update(load_file(os.path.join(out, name)))

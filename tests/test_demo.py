@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jetspec_jax import bench, convert, demo, stages
+from jetspec_jax import banks, convert, demo, stages
 from jetspec_jax.checkpoint import CheckpointStore
 from jetspec_jax.decode.generation import Generator, acceptance
 from jetspec_jax.decode.speculative import TreeConfig
@@ -89,7 +89,7 @@ def test_trained_head_beats_untrained_on_its_training_prompts(result):
   root = result["workdir"]
   tokenizer = load_tokenizer(os.path.join(root, "tokenizer"))
   chunk = sorted(glob.glob(os.path.join(root, "regenerated", "chunk-*.jsonl")))[0]
-  prompts = bench.prompt_bank(chunk, tokenizer, num_prompts=4, prompt_len=16)
+  prompts = banks.prompt_bank(chunk, tokenizer, num_prompts=4, prompt_len=16)
   cfg, params, _ = convert.load_target(os.path.join(root, "target_ckpt"), jnp.float32)
   head_cfg, head = convert.load_head(result["head_dir"], jnp.float32, target_cfg=cfg)
   tree = TreeConfig("accum_logp", 64, 4, head_cfg.depth)

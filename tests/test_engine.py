@@ -17,6 +17,7 @@ from jetspec_jax.decode.profile import AcceptanceProfile
 from jetspec_jax.decode.speculative import TreeConfig
 from jetspec_jax.errors import JetSpecError
 from jetspec_jax.models import draft_head, qwen3
+from greedy import assert_agree
 import test_sampling
 from test_speculative import CFG, head, target
 
@@ -38,7 +39,7 @@ def ar_reference(prompt: tuple[int, ...], max_new: int, eos: tuple[int, ...]) ->
 def check_lossless(run, requests, eos):
   assert [r.id for r in run.results] == list(range(len(requests)))
   for req, res in zip(requests, run.results):
-    assert res.tokens == ar_reference(tuple(req.prompt), req.max_new_tokens, eos), res.id
+    assert_agree(CFG, target(), [req.prompt], [ar_reference(tuple(req.prompt), req.max_new_tokens, eos)], [res.tokens])
     assert res.admitted <= res.first <= res.finished
 
 
@@ -106,7 +107,7 @@ def test_segments_lose_and_repeat_nothing():
   assert sorted(r.id for r in seen) == list(range(len(requests)))
   for res in seen:
     req = ids[res.id]
-    assert res.tokens == ar_reference(tuple(req.prompt), req.max_new_tokens, EOS)
+    assert_agree(CFG, target(), [req.prompt], [ar_reference(tuple(req.prompt), req.max_new_tokens, EOS)], [res.tokens])
 
 
 def test_requests_that_cannot_run_are_refused_before_the_run():
@@ -152,9 +153,11 @@ def test_a_2x2_mesh_equals_one_device(eight_devices):
   mesh = sharding.make_mesh(2, 2, jax.devices()[:4])
   run = make(mesh, placed(target(), qwen3.param_specs(CFG), mesh),
              placed(hparams, draft_head.param_specs(hcfg), mesh)).run(requests)
-  assert [r.tokens for r in run.results] == [r.tokens for r in ref.results]
-  assert [(r.admitted, r.first, r.finished, r.steps) for r in run.results] == \
-         [(r.admitted, r.first, r.finished, r.steps) for r in ref.results]
+  same = assert_agree(CFG, target(), [r.prompt for r in requests], [r.tokens for r in ref.results],
+                      [r.tokens for r in run.results])
+  if same.identical == same.count:                      # a near-tie broken the other way changes the rounds after it
+    assert [(r.admitted, r.first, r.finished, r.steps) for r in run.results] == \
+           [(r.admitted, r.first, r.finished, r.steps) for r in ref.results]
   check_lossless(run, requests, EOS)
 
 

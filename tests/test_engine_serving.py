@@ -5,6 +5,7 @@ import pytest
 
 from jetspec_jax.decode.engine import Engine, EnginePlan
 from jetspec_jax.decode.speculative import TreeConfig
+from greedy import assert_agree
 from test_engine import ar_reference, random_requests
 from test_speculative import CFG, head, target
 
@@ -34,8 +35,8 @@ def test_progress_is_a_prefix_of_the_final_tokens(mode):
   ids = e.submit(requests)
   final, seen = drain(e)
   assert sorted(final) == ids
-  for req, i in zip(requests, ids):
-    assert final[i] == ar_reference(tuple(req.prompt), req.max_new_tokens, ())
+  assert_agree(CFG, target(), [r.prompt for r in requests],
+               [ar_reference(tuple(r.prompt), r.max_new_tokens, ()) for r in requests], [final[i] for i in ids])
   partial = [(i, toks) for snapshot in seen for i, toks in snapshot.items()]
   assert partial and all(final[i][:len(toks)] == toks for i, toks in partial)
   assert any(0 < len(toks) < len(final[i]) for i, toks in partial)       # tokens seen before the request ended
@@ -54,5 +55,6 @@ def test_cancel_frees_the_slot_and_changes_no_other_request(mode):
   again = e.submit([requests[0]])                       # the freed queue entries take new requests
   final, _ = drain(e)
   assert sorted(final) == [ids[1], ids[2]] + again
-  for req, i in zip(requests[1:3] + [requests[0]], ids[1:3] + again):
-    assert final[i] == ar_reference(tuple(req.prompt), req.max_new_tokens, ())
+  kept = requests[1:3] + [requests[0]]
+  assert_agree(CFG, target(), [r.prompt for r in kept], [ar_reference(tuple(r.prompt), r.max_new_tokens, ()) for r in kept],
+               [final[i] for i in ids[1:3] + again])

@@ -1,4 +1,4 @@
-"""The package reads top-down: cli -> (demo, serve) -> (bench, load, driver) -> train -> decode -> checkpoint
+"""The package reads top-down: cli -> (demo, serve) -> (bench, banks, load, driver) -> train -> decode -> checkpoint
 I/O -> models -> attention -> shared basics -> kernels. Every import of a project module, at module level or
 inside a function, goes to the importer's layer or one below it (parsed with ``ast``, nothing imported)."""
 import ast
@@ -18,7 +18,7 @@ LAYERS = (
     ("jetspec_jax.distributed", 4),
     ("jetspec_jax.decode", 5),
     ("jetspec_jax.train", 6), ("jetspec_jax.configs", 6),
-    ("jetspec_jax.bench", 7), ("jetspec_jax.trace_summary", 7), ("jetspec_jax.load", 7), ("jetspec_jax.driver", 7),
+    ("jetspec_jax.bench", 7), ("jetspec_jax.banks", 7), ("jetspec_jax.trace_summary", 7), ("jetspec_jax.load", 7), ("jetspec_jax.driver", 7),
     ("jetspec_jax.demo", 8), ("jetspec_jax.serve", 8),
     ("jetspec_jax.cli", 9),
     ("jetspec_jax", 9),            # the package's own __init__
