@@ -25,8 +25,11 @@ g (G a multiple of the mesh's data axis), and a round moves nothing between shar
 Invariants per slot b holding a request (see ``decode.speculative`` for the speculative ones):
   prefilling: prefix_len[b] < prompt_len[b] prompt rows are in the cache, num_tokens[b] = 0;
   decoding: prefix_len[b] = prompt_len[b] + num_tokens[b] - 1 and ``last_token`` is not yet cached.
-A request's greedy tokens equal its own AR generation whatever the other slots hold; its sampled
-tokens draw from fold_in(key, step) exactly as ``decode.loop`` / ``decode.speculative`` do.
+A request's greedy tokens equal its own AR generation whatever the other slots hold, except where the
+target's two best float32 logits are within rounding of each other: programs of other shapes (batch,
+verified rows) can break such a near-tie either way, and the request continues from the other token
+(``decode.agreement``: identical or parted at a near-tie, tested; docs/verification.md measures how
+often). Its sampled tokens draw from fold_in(key, step) exactly as ``decode.loop`` / ``decode.speculative`` do.
 """
 from __future__ import annotations
 
