@@ -67,8 +67,8 @@ def step_logits(cfg, params, rows: np.ndarray) -> np.ndarray:
 
 
 def ulps(x: np.ndarray, y: np.ndarray) -> np.ndarray:
-  """|x - y| per position [..., V] -> [...] in float32 ulps of the row's largest |logit| (of x)."""
-  return np.max(np.abs(x - y), -1) / np.spacing(np.max(np.abs(x), -1).astype(np.float32))
+  """|x - y| per position [..., V] -> [...] in ``agreement.row_ulp`` units of x."""
+  return np.max(np.abs(x - y), -1) / agreement.row_ulp(x)
 
 
 def noise(cfg, params, prompts, outputs, batch: int) -> dict:
@@ -81,16 +81,16 @@ def noise(cfg, params, prompts, outputs, batch: int) -> dict:
                            for i in range(len(rows))])[:, gen]
   stepped = np.concatenate([step_logits(cfg, params, rows[i:i + batch]) for i in range(0, len(rows), batch)])[:, gen]
   stepped1 = np.concatenate([step_logits(cfg, params, rows[i:i + 1]) for i in range(len(rows))])[:, gen]
-  top2 = np.sort(alone, -1)[..., -2:]
-  gap_ulps = (top2[..., 1] - top2[..., 0]) / np.spacing(np.max(np.abs(alone), -1).astype(np.float32))
   pairs = {"batch vs alone": (alone, batched), "padded vs alone": (alone, padded), "steps vs forward": (alone, stepped1),
            "steps batch vs alone": (stepped1, stepped)}
   order = np.argsort(alone, -1)[..., -2:]                      # the reference's top two ids per position
-  scale = np.spacing(np.max(np.abs(alone), -1).astype(np.float32))
+  scale = agreement.row_ulp(alone)
 
   def gap(x):                                                    # top-2 gap of x for the reference's two ids
     t = np.take_along_axis(x, order, -1)
     return (t[..., 1] - t[..., 0]) / scale
+
+  gap_ulps = gap(alone)
 
   out = {}
   for name, (x, y) in pairs.items():

@@ -46,7 +46,7 @@ def edited(gap_ulps: int):
   h = np.asarray(target.hidden(np.asarray([prefix]), np.arange(len(prefix))[None],
                                qwen3.causal_mask(1, len(prefix)))[0][0, -1])
   j = int(np.argmax(np.abs(h)))
-  step = float(np.spacing(np.float32(np.max(np.abs(logits))))) / abs(h[j]) / 8   # ~ 1/8 ulp of the logit per step
+  step = float(agreement.row_ulp(logits)) / abs(h[j]) / 8                         # ~ 1/8 ulp of the logit per step
   w = head[j, a]
   for n in range(1, 100000):
     head[j, b] = np.float32(w - np.sign(h[j]) * step * n)

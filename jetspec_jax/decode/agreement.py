@@ -122,11 +122,16 @@ def last_logits(cfg: Qwen3Config, params: dict, tokens: Sequence[int]) -> np.nda
   return np.asarray(_last_row_logits(params, jnp.asarray(padded), jnp.int32(len(tokens)), cfg=cfg), np.float32)
 
 
+def row_ulp(logits: np.ndarray) -> np.ndarray:
+  """The rule's unit: the float32 ulp of each row's largest |logit| (logits [..., V] -> [...])."""
+  return np.spacing(np.max(np.abs(np.asarray(logits, np.float32)), -1))
+
+
 def tie_gap(logits: np.ndarray, a: int, b: int) -> tuple[float, float]:
-  """(|logits[a] - logits[b]|, the same in float32 ulps of the row's largest |logit|)."""
+  """(|logits[a] - logits[b]|, the same in ``row_ulp`` units) for one row of logits [V]."""
   logits = np.asarray(logits, np.float32)
   gap = abs(float(logits[a]) - float(logits[b]))
-  return gap, gap / float(np.spacing(np.float32(np.max(np.abs(logits)))))
+  return gap, gap / float(row_ulp(logits))
 
 
 def compare(cfg: Qwen3Config, params: dict, prompts: Sequence[Sequence[int]], reference: Sequence[Sequence[int]],
