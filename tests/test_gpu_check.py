@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from pallas_kernels import kernel_tune
+from pallas_kernels import kernel_tune, tuning
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -23,8 +23,11 @@ def gpu_check():
   return module
 
 
+def _config(row):
+  return tuning.LaunchConfig(**{k: row[k] for k in tuning.FIELDS})
+
+
 def test_smoke_run_writes_every_section(gpu_check, tmp_path, monkeypatch):
-  from pallas_kernels import tuning
   monkeypatch.setenv("OUT", str(tmp_path))
   # the profile section generates as many tokens as the decode section (its default), so it reuses its compiles
   assert gpu_check.main(["--smoke", "--decode-budgets", "16", "--profile-budgets", "16", "--decode-new-tokens", "9"]) == 0
@@ -41,23 +44,34 @@ def test_smoke_run_writes_every_section(gpu_check, tmp_path, monkeypatch):
   assert all("error" not in r and 0 < r["busy_us"] <= r["span_us"] and r["events"] > 0 and r["kernels"]
              for r in profile)
   assert [p["name"] for p in profile[1]["phases"]] == [*gpu_check.PHASES, "other"]
-  decode_ms = {r["mode"]: r["ms_per_round"] for r in report["decode"]["rows"]}
-  for r in profile:          # the decode section's unprofiled rounds (same tokens) set the busy fraction
-    assert r["unprofiled_us"] == pytest.approx(decode_ms[r["mode"]] * 1e3)
-    assert r["busy_fraction_unprofiled"] == pytest.approx(r["busy_us"] / r["unprofiled_us"])
+  # The decode section's unprofiled rounds (same tokens) set the busy fraction. Each mode takes its own
+  # mode's round: the ratio of their unprofiled times is the decode section's ratio_to_ar_step.
+  ratio = {r["mode"]: r["ratio_to_ar_step"] for r in report["decode"]["rows"]}
+  assert profile[1]["unprofiled_us"] / profile[0]["unprofiled_us"] == pytest.approx(ratio["tree_b16"])
+  for r in profile:
+    # Same unit (us per round) as the trace's own span: a round measured with and without the profiler
+    # (0.65x and 1.04x on one CPU), not a factor of 1000 apart.
+    assert 0.1 < r["span_us"] / r["unprofiled_us"] < 10, r
+    # The busy time it implies is the trace's: its busy fraction of its span.
+    assert r["busy_fraction_unprofiled"] * r["unprofiled_us"] == pytest.approx(r["busy_fraction"] * r["span_us"])
   assert sorted(os.listdir(tmp_path / "traces")) == ["ar.json.gz", "tree_b16.json.gz"]
   phases = report["phases"]["rows"]
   assert [r["phase"] for r in phases] == ["ar_forward", "verify_b16", "draft", "tree_heap_b16", "tree_best_b16"]
   assert all("error" not in r and r["ms"] > 0 for r in phases) and phases[0]["ratio_to_ar_forward"] == 1.0
   tune = report["tune"]
   assert [(r["n"], r["prefix"]) for r in tune["best"]] == [(5, 3)]
-  assert all("us" in r for r in tune["rows"]) and all(r["speedup_vs_default"] >= 1 for r in tune["best"])
+  assert all("us" in r for r in tune["rows"])
+  for best in tune["best"]:      # the fastest of its shape's timed rows, against the default config's row
+    timed = {_config(r): r["us"] for r in tune["rows"] if (r["n"], r["prefix"]) == (best["n"], best["prefix"])}
+    assert best["us"] == timed[_config(best)] == min(timed.values())
+    assert best["default_us"] == timed[kernel_tune.DEFAULT]
+    assert best["speedup_vs_default"] == pytest.approx(timed[kernel_tune.DEFAULT] / best["us"])
   # the sweep's table (one rule: rows = group 2 x N 5) was saved and passed to the model sections
   table = tuning.load_tuning(tmp_path / "kernel_tuning.json")
   assert tune["applied"] == str(tmp_path / "kernel_tuning.json")
   assert report["phases"]["kernel_tuning"] == table.to_json()           # the model sections ran with the sweep's table
   fastest = tune["best"][0]
-  assert table.rules == ((10, tuning.LaunchConfig(**{k: fastest[k] for k in tuning.FIELDS})),)
+  assert table.rules == ((10, _config(fastest)),)
   assert report["kernel"]["tuning"] == tuning.DEFAULT_TUNING.to_json()
 
 
@@ -83,6 +97,44 @@ def test_an_illegal_tuning_config_is_recorded_not_raised(gpu_check):
   assert good["us"] == 1.0 and "block_k=48" in bad["error"]
   assert result["best"] == [dict(good, default_us=1.0, speedup_vs_default=1.0)]
   assert result["table"]["rules"] == [dict(max_rows=10, **dataclasses.asdict(kernel_tune.DEFAULT))]
+
+
+def test_busy_fraction_of_the_unprofiled_round_by_hand(gpu_check):
+  """Each profiled mode gets its own mode's unprofiled round (ms to us) and its busy share of it; a mode
+  without a busy time or without a measured round gets neither."""
+  profile = [dict(mode="ar", busy_us=300.0, total_us=450.0, span_us=900.0),
+             dict(mode="tree_b16", busy_us=1500.0, total_us=1800.0, span_us=2500.0),
+             dict(mode="tree_b64", error="x"), dict(mode="tree_b128", busy_us=10.0, total_us=10.0, span_us=20.0)]
+  decode = [dict(mode="ar", ms_per_round=0.5), dict(mode="best_b16", ms_per_round=4.0),
+            dict(mode="tree_b16", ms_per_round=2.0), dict(mode="tree_b64", ms_per_round=1.0),
+            dict(mode="tree_b128", error="y")]
+  lines = gpu_check.relate_to_unprofiled(profile, decode)
+  assert [r.get("unprofiled_us") for r in profile] == pytest.approx([500.0, 2000.0, None, None])
+  assert [r.get("busy_fraction_unprofiled") for r in profile] == pytest.approx([0.6, 0.75, None, None])
+  assert len(lines) == 2 and lines[0].startswith("ar: busy 0.300 ms of an unprofiled 0.500 ms round")
+
+
+def test_tune_section_reports_the_fastest_config_against_the_default():
+  """Times given by hand: per shape the fastest config, the default's time and their ratio; a shape whose
+  default failed has the fastest config but no speedup."""
+  other = kernel_tune.CONFIGS[-1]
+  times = iter([3e-6, 2e-6,                     # (5, 3): the other config, 1.5x faster
+                1e-6, 4e-6,                     # (1, 3): the default, fastest
+                RuntimeError("failed"), 5e-6])  # (2, 3): the default failed
+
+  def timer(fn, args):
+    t = next(times)
+    if isinstance(t, Exception):
+      raise t
+    return t
+  result = kernel_tune.tune_section(lambda n, p: (), timer, group=2, shapes=((5, 3), (1, 3), (2, 3)),
+                                    configs=(kernel_tune.DEFAULT, other), interpret=True)
+  best = {(r["n"], r["prefix"]): r for r in result["best"]}
+  assert [_config(best[s]) for s in ((5, 3), (1, 3), (2, 3))] == [other, kernel_tune.DEFAULT, other]
+  assert [(r["us"], r["default_us"], r["speedup_vs_default"]) for r in best.values()] == [
+      (pytest.approx(2.0), pytest.approx(3.0), pytest.approx(1.5)),
+      (pytest.approx(1.0), pytest.approx(1.0), pytest.approx(1.0)), (pytest.approx(5.0), None, None)]
+  assert "RuntimeError: failed" in result["rows"][4]["error"]
 
 
 def _timed(n, prefix, us_by_config):

@@ -114,12 +114,60 @@ def test_reference_rule_caps_each_depth():
     assert sum(tree.parents[b, 1:n] == 0) == 3
 
 
-def test_calibrated_with_neutral_counts_is_best_nodes():
+def _brute_force_paths(logits, budget, width, ratio=None):
+  """Per batch row, the token paths (root excluded) of the budget - 1 best nodes of the full W-ary trie of
+  depth D, found by enumerating every node: a node's score is the sum over its path of log(q * ratio[d, r]),
+  q the rank-r token's probability at depth d (float64). The fixture must be tie-free at the cut."""
+  logits = np.asarray(logits, np.float64)
+  batch, depth, _ = logits.shape
+  lp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+  ratio = np.ones((depth, width)) if ratio is None else np.asarray(ratio, np.float64)
+  expected = []
+  for b in range(batch):
+    order = np.argsort(-lp[b], axis=-1, kind="stable")[:, :width]                 # [D, W] top-W token ids
+    score = np.take_along_axis(lp[b], order, axis=-1) + np.log(ratio)
+    nodes = [p for d in range(1, depth + 1) for p in itertools.product(range(width), repeat=d)]
+    value = {p: sum(score[i, r] for i, r in enumerate(p)) for p in nodes}
+    ranked = sorted(nodes, key=lambda p: -value[p])
+    assert value[ranked[budget - 2]] - value[ranked[budget - 1]] > 1e-3, "near-tie at the cut"
+    expected.append({tuple(int(order[i, r]) for i, r in enumerate(p)) for p in ranked[:budget - 1]})
+  return expected
+
+
+def _tree_paths(tree, b):
+  """The token path (root excluded) of every valid node but the root of row b of a built Tree."""
+  paths = set()
+  for i in range(1, int(tree.valid[b].sum())):
+    path, j = [], i
+    while j:
+      path.append(int(tree.tokens[b, j]))
+      j = int(tree.parents[b, j])
+    paths.add(tuple(path[::-1]))
+  return paths
+
+
+def test_best_nodes_and_calibrated_match_brute_force():
+  """best_nodes, and calibrated without counts or with neutral ones (measured == predicted), build the
+  budget - 1 best nodes of a brute-force enumeration; calibrated with counts that scale (depth, rank)'s
+  probability by a known ratio builds the enumeration's best under the scaled scores."""
   anchor, logits = _case(2)
-  best = build_tree(anchor, logits, method="best_nodes", budget=16, width=4)
-  _same_tree(build_tree(anchor, logits, method="calibrated", budget=16, width=4), best)
-  counts = (np.full((4, 4), 7.0), np.full((4, 4), 7.0))            # measured == predicted: ratio 1
-  _same_tree(build_tree(anchor, logits, method="calibrated", budget=16, width=4, counts=counts), best)
+  budget, width = 16, 4
+  neutral = (np.full((4, 4), 7.0), np.full((4, 4), 7.0))
+  # At most 1 and non-increasing in rank, so neither the cap at 1 nor the running minimum over ranks binds.
+  ratio = np.array([[1.0, 0.2, 0.2, 0.2], [1.0, 1.0, 1.0, 1.0], [0.5, 0.5, 0.5, 0.5], [1.0, 0.9, 0.9, 0.9]])
+  scaled = (100 * ratio - 1, np.full((4, 4), 99.0))                 # (hits + 1) / (mass + 1) == ratio
+  plain, calibrated = _brute_force_paths(logits, budget, width), _brute_force_paths(logits, budget, width, ratio)
+  assert all(p != c for p, c in zip(plain, calibrated))             # the ratio changes every row's tree
+  cases = [(dict(method="best_nodes"), plain), (dict(method="calibrated"), plain),
+           (dict(method="calibrated", counts=neutral), plain),
+           (dict(method="calibrated", counts=scaled, prior_strength=1.0), calibrated)]
+  for kw, paths in cases:
+    tree = jax.tree.map(np.asarray, build_tree(anchor, logits, budget=budget, width=width, **kw))
+    for b, expected in enumerate(paths):
+      assert tree.valid[b].all() and tree.tokens[b, 0] == anchor[b], kw
+      assert all(tree.parents[b, i] < i and tree.depths[b, i] == tree.depths[b, tree.parents[b, i]] + 1
+                 for i in range(1, budget)), kw
+      assert _tree_paths(tree, b) == expected, (kw, b)
 
 
 def test_calibrated_follows_the_measured_acceptance():
