@@ -292,8 +292,9 @@ def engine_case(name: str, c: ml_collections.ConfigDict, target: Qwen3Config, co
                                                                                  "max_new", "key", "temperature",
                                                                                  "top_k", "top_p", "prefix_len",
                                                                                  "last_token", "tokens", "num_tokens",
-                                                                                 "steps", "depth_hist", "rank_hits",
-                                                                                 "rank_mass", "round", "busy")},
+                                                                                 "steps", "first", "done", "depth_hist",
+                                                                                 "depth_visits", "rank_hits", "rank_mass",
+                                                                                 "round", "busy", "control")},
                          cache=jax.tree.map(cache, shapes.cache), draft_cache=jax.tree.map(cache, shapes.draft_cache))
   target_params = abstract_params(qwen3.param_specs(target), dtype, mesh)
   head_params = abstract_params(draft_head.param_specs(head_cfg), dtype, mesh)

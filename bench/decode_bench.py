@@ -126,18 +126,19 @@ def hf_generate(model, prompts, max_new_tokens):
 # ----------------------------------------------------------------------------------------------
 # Drafters.
 
-def oracle_drafter(target_params, head_params, state, *, cfg, head_cfg, tree_cfg, attn_impl, mesh):
-  """Proposes the target's greedy continuation: ``head_params["oracle_ref"]`` [B, M + D] holds the
-  AR tokens; the next tokens after the committed ones are ref[num_tokens : num_tokens + D].
-  Everything but those tokens gets logit -1e9 (a confident, always-right drafter)."""
+def oracle_drafter(target_params, head_params, view, *, cfg, head_cfg, tree_cfg, attn_impl, mesh):
+  """Proposes the target's greedy continuation: ``head_params["oracle_ref"]`` [B, T + M + D] holds the prompt
+  then the AR tokens; the anchor (the newest committed token) is ref[prefix_len], the next tokens
+  ref[prefix_len + 1 : prefix_len + 1 + D]. Everything but those tokens gets logit -1e9 (a confident,
+  always-right drafter)."""
   import jax
   import jax.numpy as jnp
   del target_params, head_cfg, attn_impl, mesh
   ref = head_params["oracle_ref"]
-  idx = state.base.num_tokens[:, None] + jnp.arange(tree_cfg.depth, dtype=jnp.int32)[None, :]
+  idx = view.prefix_len[:, None] + 1 + jnp.arange(tree_cfg.depth, dtype=jnp.int32)[None, :]
   toks = jnp.take_along_axis(ref, jnp.minimum(idx, ref.shape[1] - 1), axis=1)
   logits = jnp.where(jax.nn.one_hot(toks, cfg.vocab_size, dtype=bool), 0.0, -1e9).astype(jnp.float32)
-  return logits, state.draft_cache
+  return logits, view.draft_cache
 
 
 # ----------------------------------------------------------------------------------------------
@@ -228,7 +229,7 @@ def bench_spec(args, params, cfg, prompts, ar_tokens):
   ar = Generator(cfg, params, eos_ids=())
   # Oracle references: the target's greedy continuation, D tokens longer than needed.
   refs = [ar.generate([pr], m + depth).tokens[0] for pr in prompts]
-  oracle_heads = [{**head, "oracle_ref": jnp.asarray([ref], jnp.int32)} for ref in refs]
+  oracle_heads = [{**head, "oracle_ref": jnp.asarray([list(pr) + ref], jnp.int32)} for pr, ref in zip(prompts, refs)]
 
   def ar_run():
     return {"tokens": [ar.generate([pr], m).tokens[0] for pr in prompts]}

@@ -14,7 +14,7 @@ bench prompts with the chain and with each method at each budget:
 
 It prints tau, tokens/s, ms per round (median over ``--repeats`` passes, after a warm-up call) and the
 equality with AR per mode, then a round-time table (best_nodes, calibrated offline and online, static:
-one batch of all bench prompts, the modes interleaved over ``--overhead-repeats``), and writes one JSON. The bench
+all bench prompts in their own slots, the modes interleaved over ``--overhead-repeats``), and writes one JSON. The bench
 prompts, the model and the tree width are the demo's (``jetspec-jax demo`` must have run in
 ``--workdir``). Timing is on whatever machine runs it; speed on a CPU is not speed on a GPU (see
 docs/benchmarks.md), so the round time is reported as a ratio to best_nodes' at the same budget.
@@ -30,7 +30,7 @@ import jax.numpy as jnp
 
 from jetspec_jax import banks, bench, convert
 from jetspec_jax.decode.agreement import compare
-from jetspec_jax.decode.generation import Generator, acceptance
+from jetspec_jax.decode.engine import acceptance
 from jetspec_jax.decode.profile import expected_tau, optimal_static_tree
 from jetspec_jax.decode.speculative import TreeConfig
 from jetspec_jax.demo import DemoSettings
@@ -53,17 +53,19 @@ def variants(budget: int, width: int, depth: int, prof, prior_strength: float):
 
 
 def round_times(cfg, params, head_cfg, head_params, prompts, trees, new: int, repeats: int) -> dict:
-  """Median ms per loop iteration of each (name, TreeConfig) on one batch of all ``prompts``, the modes
-  interleaved in every repeat (so slow spells of a shared machine hit them all)."""
-  gens = {name: Generator(cfg, params, head_cfg=head_cfg, head_params=head_params, tree=tc, eos_ids=())
-          for name, tc in trees}
-  times = {name: [] for name in gens}
-  for name, g in gens.items():
-    g.generate(prompts, new)                                                         # compile + warm
+  """Median ms per engine round of each (name, TreeConfig) with every prompt in its own slot (one run of all
+  ``prompts``; each prompt prefills in its first round), the modes interleaved in every repeat (so slow spells of a
+  shared machine hit them all)."""
+  engines = {name: bench.engine(params, cfg, prompts, new, slots=len(prompts), head_params=head_params,
+                                head_cfg=head_cfg, tree=tc, eos_ids=()) for name, tc in trees}
+  requests = bench.requests_of(prompts, new)
+  times = {name: [] for name in engines}
+  for name, eng in engines.items():
+    eng.run(requests)                                                                # compile + warm
   for _ in range(repeats):
-    for name, g in gens.items():
-      out = g.generate(prompts, new)
-      times[name].append(1e3 * out.decode_s / max(out.target_forwards - 1, 1))
+    for name, eng in engines.items():
+      run = eng.run(requests)
+      times[name].append(1e3 * run.wall_s / run.rounds)
   return {name: bench.median(t) for name, t in times.items()}
 
 
@@ -109,24 +111,23 @@ def main(argv=None) -> dict:
     prof, prof_tau = bench.collect_profile(params, cfg, head_params, head_cfg, prof_p, profile_tree,
                                            max_new_tokens=new, eos_ids=())
     print(f"[{bank}] profile: {len(prof_p)} prompts, {prof.visits[0]} rounds, tau {prof_tau:.2f}", flush=True)
-    ar_gen = Generator(cfg, params, eos_ids=())
-    ar = bench.time_mode(lambda b: ar_gen.generate(b, new), bench_p, 1, args.repeats)
-    ar_tokens = [t for o in ar.pop("outputs") for t in o.tokens]
+    ar = bench.time_mode(bench.engine(params, cfg, bench_p, new, slots=1, eos_ids=()), bench_p, new, args.repeats)
+    ar_tokens = [r.tokens for r in ar.pop("results")]
     modes = [("chain", 1, TreeConfig("chain", 1, 1, depth))] + [
         (name, b, tc) for b in budgets
         for name, tc in variants(b, width, depth, prof, args.prior_strength)]
     rows = []
     for name, b, tc in modes:
-      gen = Generator(cfg, params, head_cfg=head_cfg, head_params=head_params, tree=tc, eos_ids=())
-      gen.generate(bench_p[:1], new)                                                # compile + warm
-      passes = [[gen.generate([p], new) for p in bench_p] for _ in range(args.repeats)]
-      outs = passes[-1]
-      acc = acceptance(outs)
-      ms_per_round = [1e3 * sum(o.decode_s for o in ps) / acceptance(ps)["rounds"] for ps in passes]
-      row = {"method": name, "budget": tc.num_nodes(), "tau": acc["tau"], "ms/round": bench.median(ms_per_round),
-             "tok/s": bench.median([sum(int(o.num_tokens.sum()) for o in ps) / sum(o.prefill_s + o.decode_s for o in ps)
-                                    for ps in passes]),
-             "== AR": compare(cfg, params, bench_p, ar_tokens, [t for o in outs for t in o.tokens]).label()}
+      eng = bench.engine(params, cfg, bench_p, new, slots=1, head_params=head_params, head_cfg=head_cfg, tree=tc,
+                         eos_ids=())
+      eng.run(bench.requests_of(bench_p[:1], new))                                  # compile + warm
+      passes = [eng.run(bench.requests_of(bench_p, new)) for _ in range(args.repeats)]
+      results = passes[-1].results
+      acc = acceptance(results)
+      row = {"method": name, "budget": tc.num_nodes(), "tau": acc["tau"],
+             "ms/round": bench.median([1e3 * ps.wall_s / ps.rounds for ps in passes]),
+             "tok/s": bench.median([sum(len(r.tokens) for r in ps.results) / ps.wall_s for ps in passes]),
+             "== AR": compare(cfg, params, bench_p, ar_tokens, [r.tokens for r in results]).label()}
       if tc.method == "static":
         shape = optimal_static_tree(prof.fitted(depth, width), b)
         row["expected tau"] = expected_tau(prof.acceptance()[:depth, :width], shape.parents, shape.depths,

@@ -2,11 +2,12 @@
 ``jetspec_jax.banks``): the decode modes and their honest timing, acceptance (tau), machine info, one table formatter, one
 JSON writer, plots, and FLOP / array / host-op counts read from compiled HLO text.
 
-``run`` measures, on the same prompts and weights: the jitted AR loop, the chain (DFlash linear
-block) and JetSpec trees over a sweep of budgets, optionally `transformers` greedy generation.
-Timing: every mode is compiled and run once first (reported as ``compile_s``, excluded), then
-timed over ``repeats`` passes of all prompts; tokens/s is the median pass. Prompts are
-left-truncated to one length (those shorter are skipped) so each mode compiles once.
+``run`` measures, on the same prompts and weights, the engine (``decode.engine``, ``batch_size`` slots) decoding
+AR, the chain (DFlash linear block) and JetSpec trees over a sweep of budgets, optionally `transformers` greedy
+generation. Each prompt prefills in the round it is admitted (one lane of the prompt's length per slot).
+Timing: every mode is compiled and run once first on ``batch_size`` prompts (reported as ``compile_s``, excluded),
+then timed over ``repeats`` passes of all prompts; tokens/s is the median pass. Prompts are left-truncated to one
+length (those shorter are skipped).
 
 Every script prints plain-text tables (``format_table``) and writes one JSON document
 (``save_results``: to ``--out``, default bench/results/<name>.json under the working directory, and to
@@ -46,22 +47,35 @@ def tree_variant(method: str, budget: int, width: int, depth: int, tree_options:
   return f"{MODE_PREFIX[method]}{'_online' if online else ''}_b{budget}", TreeConfig(method, budget, width, depth, **opts)
 
 
-def _batches(prompts, batch_size):
-  return [prompts[i:i + batch_size] for i in range(0, len(prompts) - batch_size + 1, batch_size)]
+def engine(target_params, cfg, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, slots: int,
+           head_params=None, head_cfg=None, tree=None, eos_ids=None, attn_impl: str = "xla", mesh=None, **kw):
+  """An engine of ``slots`` slots for ``prompts`` (each prefilled in the round it is admitted), AR without a tree."""
+  from jetspec_jax.attention import cache_rows
+  from jetspec_jax.decode.engine import Engine
+  head = {} if tree is None else dict(head_cfg=head_cfg, head_params=head_params, tree=tree)
+  return Engine.for_requests(cfg, target_params, requests_of(prompts, max_new_tokens), slots=slots,
+                             prefill_rows=cache_rows(max(len(p) for p in prompts)), eos_ids=eos_ids,
+                             attn_impl=attn_impl, mesh=mesh, **head, **kw)
 
 
-def time_mode(run_batch, prompts, batch_size: int, repeats: int) -> dict:
-  """Compile + warm (first batch, excluded), then ``repeats`` timed passes over all batches;
-  ``run_batch`` maps a list of prompts to a ``GenerationResult``."""
-  batches = _batches(prompts, batch_size)
-  first = timed(lambda: run_batch(batches[0]))[1]
-  passes, outs = [], []
+def requests_of(prompts: Sequence[Sequence[int]], max_new_tokens: int):
+  from jetspec_jax.decode.engine import Request
+  return [Request(list(p), max_new_tokens) for p in prompts]
+
+
+def time_mode(eng, prompts, max_new_tokens: int, repeats: int) -> dict:
+  """Compile + warm (the engine's first ``slots`` prompts, excluded), then ``repeats`` timed passes over all
+  prompts; returns tokens/s (median pass), compile_s and the last pass's per-request results."""
+  warm = requests_of(prompts[:eng.plan.slots], max_new_tokens)
+  first = eng.run(warm).wall_s
+  again = eng.run(warm).wall_s
+  passes, results = [], []
   for _ in range(repeats):
-    outs, seconds = zip(*(timed(lambda: run_batch(b)) for b in batches))
-    passes.append(sum(int(np.sum(o.num_tokens)) for o in outs) / sum(seconds))
-  warm_batch = min(o.prefill_s + o.decode_s for o in outs[:1]) if outs else 0.0
+    run = eng.run(requests_of(prompts, max_new_tokens))
+    results = run.results
+    passes.append(sum(len(r.tokens) for r in results) / run.wall_s)
   return {"tokens_per_s": statistics.median(passes), "tokens_per_s_passes": passes,
-          "compile_s": max(first - warm_batch, 0.0), "outputs": list(outs)}
+          "compile_s": max(first - again, 0.0), "results": results}
 
 
 def run(target_params, cfg, head_params, head_cfg, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
@@ -73,7 +87,7 @@ def run(target_params, cfg, head_params, head_cfg, prompts: Sequence[Sequence[in
   (see module doc). Tree modes are named ``<prefix>_b<budget>`` (``MODE_PREFIX``: tree_b16 is accum_logp);
   ``tree_options``: see ``tree_variant``."""
   from jetspec_jax.decode.agreement import compare
-  from jetspec_jax.decode.generation import Generator, acceptance
+  from jetspec_jax.decode.engine import acceptance
   from jetspec_jax.decode.speculative import TreeConfig
   depth = head_cfg.depth if depth is None else depth
   prompts = [list(p) for p in prompts]
@@ -82,21 +96,21 @@ def run(target_params, cfg, head_params, head_cfg, prompts: Sequence[Sequence[in
                        f"or raise --num-prompts")
   trees = [("chain", TreeConfig("chain", 1, 1, depth))] + [
       tree_variant(method, b, width, depth, tree_options) for method in methods for b in budgets]
-  generators = {name: Generator(cfg, target_params, head_cfg=head_cfg, head_params=head_params, tree=tree,
-                                eos_ids=eos_ids, attn_impl=attn_impl, mesh=mesh)
-                for name, tree in trees}          # validated before AR is timed, not after
+  common = dict(slots=batch_size, eos_ids=eos_ids, attn_impl=attn_impl, mesh=mesh)
+  engines = {name: engine(target_params, cfg, prompts, max_new_tokens, head_params=head_params, head_cfg=head_cfg,
+                          tree=tree, **common)
+             for name, tree in trees}          # validated before AR is timed, not after
   modes: dict[str, dict] = {}
   progress(f"AR ({len(prompts)} prompts x {max_new_tokens} tokens)")
-  ar_gen = Generator(cfg, target_params, eos_ids=eos_ids, attn_impl=attn_impl, mesh=mesh)
-  ar = time_mode(lambda b: ar_gen.generate(b, max_new_tokens), prompts, batch_size, repeats)
-  ar_tokens = [t for o in ar.pop("outputs") for t in o.tokens]
+  ar = time_mode(engine(target_params, cfg, prompts, max_new_tokens, **common), prompts, max_new_tokens, repeats)
+  ar_tokens = [r.tokens for r in ar.pop("results")]
   modes["ar"] = ar | {"tau": 1.0}
   for name, tree in trees:
     progress(f"{name} ({tree.method}, budget {tree.num_nodes()} nodes, width {tree.width}, depth {tree.depth})")
-    res = time_mode(lambda b, g=generators[name]: g.generate(b, max_new_tokens), prompts, batch_size, repeats)
-    outs = res.pop("outputs")
-    agreement = compare(cfg, target_params, prompts[:len(ar_tokens)], ar_tokens, [t for o in outs for t in o.tokens])
-    res.update(acceptance(outs), num_nodes=tree.num_nodes(), method=tree.method, budget=tree.budget,
+    res = time_mode(engines[name], prompts, max_new_tokens, repeats)
+    results = res.pop("results")
+    agreement = compare(cfg, target_params, prompts, ar_tokens, [r.tokens for r in results])
+    res.update(acceptance(results), num_nodes=tree.num_nodes(), method=tree.method, budget=tree.budget,
                **agreement.as_dict())
     modes[name] = res
   for m in modes.values():
@@ -114,32 +128,29 @@ def run(target_params, cfg, head_params, head_cfg, prompts: Sequence[Sequence[in
 
 def batch_invariance(target_params, cfg, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, batch_size: int,
                      eos_ids=None, attn_impl: str = "xla", mesh=None):
-  """The AR decoder's greedy tokens of ``prompts`` at ``batch_size`` (the reference; a trailing partial batch is
-  left out) and one prompt at a time, compared by ``decode.agreement``'s rule: an ``Agreement``."""
+  """The AR engine's greedy tokens of ``prompts`` with ``batch_size`` slots (the reference) and with one slot,
+  compared by ``decode.agreement``'s rule: an ``Agreement``."""
   from jetspec_jax.decode.agreement import compare
-  from jetspec_jax.decode.generation import Generator
-  gen = Generator(cfg, target_params, eos_ids=eos_ids, attn_impl=attn_impl, mesh=mesh)
-  batches = _batches([list(p) for p in prompts], batch_size)
-  used = [p for b in batches for p in b]
-  batched = [t for b in batches for t in gen.generate(b, max_new_tokens).tokens]
-  alone = [gen.generate([p], max_new_tokens).tokens[0] for p in used]
-  return compare(cfg, target_params, used, batched, alone)
+  prompts = [list(p) for p in prompts]
+  common = dict(eos_ids=eos_ids, attn_impl=attn_impl, mesh=mesh)
+  requests = requests_of(prompts, max_new_tokens)
+  batched = engine(target_params, cfg, prompts, max_new_tokens, slots=batch_size, **common).run(requests)
+  alone = engine(target_params, cfg, prompts, max_new_tokens, slots=1, **common).run(requests)
+  return compare(cfg, target_params, prompts, [r.tokens for r in batched.results], [r.tokens for r in alone.results])
 
 
 def collect_profile(target_params, cfg, head_params, head_cfg, prompts: Sequence[Sequence[int]], tree, *,
                     max_new_tokens: int, batch_size: int = 1, eos_ids=None, attn_impl: str = "xla", mesh=None,
                     progress=None):
-  """Greedy speculative generation of ``prompts`` with ``tree``: (``AcceptanceProfile`` of all rounds, tau)."""
-  from jetspec_jax.decode.generation import Generator, acceptance, acceptance_profile
-  gen = Generator(cfg, target_params, head_cfg=head_cfg, head_params=head_params, tree=tree, eos_ids=eos_ids,
-                  attn_impl=attn_impl, mesh=mesh)
-  batches = [list(map(list, prompts[i:i + batch_size])) for i in range(0, len(prompts), batch_size)]
-  outs = []
-  for n, b in enumerate(batches, 1):
-    outs.append(gen.generate(b, max_new_tokens))
-    if progress is not None:
-      progress(f"profiled batch {n}/{len(batches)}")
-  return acceptance_profile(outs), acceptance(outs)["tau"]
+  """Greedy speculative generation of ``prompts`` with ``tree`` on an engine of ``batch_size`` slots:
+  (``AcceptanceProfile`` of all rounds, tau)."""
+  from jetspec_jax.decode.engine import acceptance, acceptance_profile
+  eng = engine(target_params, cfg, prompts, max_new_tokens, slots=batch_size, head_params=head_params,
+               head_cfg=head_cfg, tree=tree, eos_ids=eos_ids, attn_impl=attn_impl, mesh=mesh)
+  if progress is not None:
+    progress(f"profiling {len(prompts)} prompts on {batch_size} slot(s)")
+  results = eng.run(requests_of(prompts, max_new_tokens)).results
+  return acceptance_profile(results), acceptance(results)["tau"]
 
 
 def transformers_baseline(hf_dir: str, prompts, max_new_tokens: int, repeats: int, eos_ids) -> dict:
@@ -427,8 +438,8 @@ _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 
 
 def loop_report(hlo: str, per_iteration: bool = True) -> dict[str, Any]:
-  """What a compiled program launches per iteration of its outermost loop (the decode loop's round;
-  the whole program when the entry has no loop or ``per_iteration`` is False). ``kernels``: fusions and custom calls, each counted
+  """What a compiled program launches per iteration of its round: the loop body with the most kernels of its own
+  (the decode loop's round; the whole program when it has no loop or ``per_iteration`` is False). ``kernels``: fusions and custom calls, each counted
   once however often a nested loop repeats it; ``while_loops`` / ``conditionals``: the control flow
   nested inside (on XLA:GPU each reads its predicate on the host every iteration), with the source
   op names (``*_ops``) so a remaining one can be traced to its code; ``other_ops``: the remaining
@@ -467,20 +478,41 @@ def loop_report(hlo: str, per_iteration: bool = True) -> dict[str, Any]:
       walk(n, acc, seen)
     return acc
 
-  def outer_loops(name: str) -> list[str]:
-    """Bodies of the loops reached from ``name`` without entering a loop (through calls, async wrappers)."""
+  def loop_bodies(name: str, seen: set) -> list[str]:
+    """Bodies of every loop reached from ``name`` (through calls, branches, async wrappers and loops)."""
     found = []
+    if name in seen:
+      return found
+    seen.add(name)
     for _, _, op, rest in comps[name]:
       if op == "while":
-        found.append(re.search(r"body=%([\w.\-]+)", rest).group(1))
-      elif op == "call" or op.startswith("async") or op.endswith("-start"):
-        for callee in _CALLEE.findall(rest):
-          found += outer_loops(callee)
+        body = re.search(r"body=%([\w.\-]+)", rest).group(1)
+        found.append(body)
+      if op in ("while", "conditional", "call") or op.startswith("async") or op.endswith("-start"):
+        branches = _BRANCHES.search(rest)
+        called = re.findall(r"%([\w.\-]+)", branches.group(1)) if branches else []
+        for callee in called + _CALLEE.findall(rest):
+          found += loop_bodies(callee, seen)
     return found
 
-  loops = outer_loops(entry) if per_iteration else []
+  def own_kernels(name: str, seen: set) -> int:
+    """Kernels of ``name`` and what it calls, not counting the bodies of the loops it runs."""
+    if name in seen:
+      return 0
+    seen.add(name)
+    n = 0
+    for _, _, op, rest in comps[name]:
+      n += op in _KERNEL_OPS
+      if op == "conditional" or op == "call" or op.startswith("async") or op.endswith("-start"):
+        branches = _BRANCHES.search(rest)
+        called = re.findall(r"%([\w.\-]+)", branches.group(1)) if branches else []
+        n += sum(own_kernels(c, seen) for c in called + _CALLEE.findall(rest))
+    return n
+
+  # The round: the loop body that runs the most kernels of its own (the engine nests its rounds in a loop
+  # that switches between round bodies; a static decode loop's body is the round).
+  loops = list(dict.fromkeys(loop_bodies(entry, set()))) if per_iteration else []
   if not loops:
     return {"loop": False, **count([entry])}
-  bodies = [count([b]) for b in loops]
-  main = max(range(len(loops)), key=lambda i: bodies[i]["kernels"])
-  return {"loop": True, **bodies[main], "entry_kernels": count([entry])["kernels"] - bodies[main]["kernels"]}
+  body = count([max(loops, key=lambda b: own_kernels(b, set()))])
+  return {"loop": True, **body, "entry_kernels": count([entry])["kernels"] - body["kernels"]}

@@ -169,7 +169,9 @@ def cmd_generate(args) -> dict:
   import jax
   from jetspec_jax.convert import load_target, read_target_config
   from jetspec_jax.config import GENERATION_CONFIG
-  from jetspec_jax.decode.generation import Generator, acceptance
+  from jetspec_jax.attention import cache_rows
+  from jetspec_jax.decode.engine import Engine, Request, acceptance
+  from jetspec_jax.decode.loop import prefill_chunk
   if args.max_new_tokens < 1:
     raise JetSpecError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
   impl = _attention(args)
@@ -192,26 +194,34 @@ def cmd_generate(args) -> dict:
   _, params, _ = load_target(args.target, dtype, mesh)
   head = _head_and_tree(args, cfg, dtype, mesh)
   tree = head.get("tree")
-  generator = Generator(cfg, params, sampling_cfg=sampling_cfg, eos_ids=eos, attn_impl=impl, mesh=mesh,
-                        prefill_chunk=args.prefill_chunk, **head)
-  out = generator.generate([ids], args.max_new_tokens)
-  tokens = out.tokens[0]
+  # The whole prompt in the first round when one layer's attention scores fit (``prefill_chunk``), else chunks.
+  scratch = 1 if tree is None else tree.num_nodes()
+  chunk = args.prefill_chunk
+  if chunk is None:
+    chunk = prefill_chunk(1, cfg.num_attention_heads, len(ids), len(ids) + args.max_new_tokens + scratch, mesh)
+  groups = 1 if mesh is None else mesh.shape["data"]
+  request = Request(ids, args.max_new_tokens)
+  engine = Engine.for_requests(cfg, params, [request], slots=groups, groups=groups,
+                               prefill_rows=chunk if 0 < chunk < len(ids) else cache_rows(len(ids)),
+                               sampling_cfg=sampling_cfg, eos_ids=eos, attn_impl=impl, mesh=mesh, **head)
+  out = engine.run([request])
+  tokens = out.results[0].tokens
   res = {"token_ids": tokens, "prompt_ids": ids, "mode": "speculative" if args.head else "autoregressive",
          "attention": impl.name, "backend": jax.default_backend(), "num_tokens": len(tokens),
-         "target_forwards": out.target_forwards, "prefill_s": out.prefill_s, "decode_s": out.decode_s,
-         "tokens_per_s": len(tokens) / max(out.decode_s + out.prefill_s, 1e-9),
-         "sampling": generator.sampling.describe(), "sampling_sources": sources,
-         "eos_ids": list(generator.eos),
+         "target_forwards": out.rounds, "first_token_round": out.results[0].first, "wall_s": out.wall_s,
+         "tokens_per_s": len(tokens) / max(out.wall_s, 1e-9),
+         "sampling": engine.sampling.describe(), "sampling_sources": sources,
+         "eos_ids": list(engine.eos),
          "eos_source": "--eos-ids" if eos is not None else f"config.json + {GENERATION_CONFIG}"}
   if args.head:
-    res.update(acceptance([out]), tree=tree.describe())
+    res.update(acceptance(out.results), tree=tree.describe())
   if tokenizer is None and os.path.isfile(os.path.join(side, "tokenizer.json")):
     tokenizer = _load_tokenizer(side)
   if tokenizer is not None:
     res["text"] = tokenizer.decode(tokens, skip_special_tokens=False)
   lines = [res.get("text", " ".join(map(str, tokens))), "",
-           f"{len(tokens)} tokens ({res['mode']}, {impl.name} attention): prefill {out.prefill_s:.3f}s, "
-           f"decode {out.decode_s:.3f}s (compile included on first call)"]
+           f"{len(tokens)} tokens ({res['mode']}, {impl.name} attention) in {out.rounds} engine rounds, first token "
+           f"in round {out.results[0].first + 1}: {out.wall_s:.3f}s (compile included)"]
   if args.head:
     lines.append(f"rounds {res['rounds']}, tau {res['tau']:.2f}, tree {res['tree']}, sampling {res['sampling']}")
   _emit(args, res, "\n".join(lines))
@@ -309,7 +319,7 @@ def cmd_regenerate(args) -> dict:
                    max_prompt_tokens=args.max_prompt_tokens, mesh=mesh, dtype=_dtype(args.dtype),
                    attn_impl=impl, prefill_chunk=args.prefill_chunk, progress=not args.json)
   res["settings"] = {"dtype": args.dtype, "attention": impl.name, "max_prompt_tokens": args.max_prompt_tokens,
-                     "prefill_chunk": "auto" if args.prefill_chunk is None else args.prefill_chunk,
+                     "prefill_chunk": 64 if args.prefill_chunk is None else args.prefill_chunk,
                      "mesh": dict(mesh.shape) if mesh is not None else None}
   res["processes"] = info.process_count
   _emit(args, res, json.dumps(res, indent=2))
@@ -513,10 +523,10 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--depth", type=int, default=None, help="draft depth (default: block_size - 1)")
     tree_flags(sp)
 
-  def prefill_flag(sp):
+  def prefill_flag(sp, default="the whole prompt when one layer's attention scores fit 1 GiB per device, else the "
+                                "largest chunk that does"):
     sp.add_argument("--prefill-chunk", type=int, default=None,
-                    help="prompt rows per prefill forward (default: the largest that keeps one layer's attention "
-                         "scores under 1 GiB per device; 0: the whole prompt at once)")
+                    help=f"prompt rows per prefill lane and round (default: {default}; 0: the whole prompt)")
 
   def attention_flags(sp):
     sp.add_argument("--attention", default="auto", help="auto (pallas on GPU, else xla) | xla | xla_chunked | pallas | pallas_interpret | mosaic | mosaic_interpret")
@@ -598,7 +608,7 @@ def build_parser() -> argparse.ArgumentParser:
   r.add_argument("--dtype", default="auto", help="float32 | bfloat16 | auto (as stored)")
   r.add_argument("--max-prompt-tokens", type=int, default=None,
                  help="a prompt longer than this ends its conversation (default: no limit)")
-  prefill_flag(r)
+  prefill_flag(r, default="64")
   attention_flags(r)
   common(r)
   r.set_defaults(fn=cmd_regenerate)

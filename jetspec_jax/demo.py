@@ -30,7 +30,7 @@ import numpy as np
 from jetspec_jax import banks, bench, cache, convert, files
 from jetspec_jax.errors import JetSpecError
 from jetspec_jax.decode import agreement
-from jetspec_jax.decode.generation import Generator, acceptance
+from jetspec_jax.decode.engine import acceptance
 from jetspec_jax.decode.speculative import TreeConfig
 from jetspec_jax.models import draft_head, qwen3
 from jetspec_jax.stages import Stage, StageSpec, stage_key_parts
@@ -266,8 +266,10 @@ def run(workdir: str | None = None, settings: DemoSettings = DemoSettings(), qui
                                                       max_new_tokens=s.bench_new_tokens, batch_size=s.bench_batch,
                                                       eos_ids=()).as_dict()
     tree = TreeConfig(s.bench_trees[0], max(s.bench_budgets), s.bench_width, head_cfg.depth)
-    base = Generator(cfg, params, head_cfg=head_cfg, head_params=untrained, tree=tree, eos_ids=())
-    r["untrained_tree_tau"] = acceptance([base.generate(prompts[:s.speed_prompts], s.bench_new_tokens)])["tau"]
+    speed = prompts[:s.speed_prompts]
+    base = bench.engine(params, cfg, speed, s.bench_new_tokens, slots=len(speed), head_params=untrained,
+                        head_cfg=head_cfg, tree=tree, eos_ids=())
+    r["untrained_tree_tau"] = acceptance(base.run(bench.requests_of(speed, s.bench_new_tokens)).results)["tau"]
     r["plots"] = bench.plots(r, os.path.join(root, "bench", bank))
     res["bench"][bank] = r
   res["head_loss_tail"] = head_loss_tail(res["stages"]["train_head"]["output_dir"])

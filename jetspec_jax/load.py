@@ -24,6 +24,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from jetspec_jax.decode.engine import Engine, Request
+from jetspec_jax.distributed import host_values
 from jetspec_jax.errors import JetSpecError
 
 
@@ -111,7 +112,7 @@ def run_engine(engine: Engine, requests: Sequence[Request], *, rate: float | Non
   output = sum(r["output_tokens"] for r in rows)
   decoded = output - len(rows)
   steps = sum(r["steps"] for r in rows)
-  busy, rounds = (int(x) for x in (engine.state.busy, engine.state.round))
+  busy, rounds = (int(np.sum(x)) for x in host_values((engine.state.busy, engine.state.round)))
   return {"requests": rows, "wall_s": wall, "rounds": rounds, "output_tokens": output,
           "tokens_per_s": output / wall, "requests_per_s": len(rows) / wall,
           "tau": decoded / max(steps, 1), "occupancy": busy / max(rounds * engine.plan.slots, 1),

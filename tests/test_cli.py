@@ -23,7 +23,8 @@ def test_convert_generate_export_json(hf_dir, tmp_path, capsys):
   code, stdout, _ = run(capsys, "generate", "--target", ckpt, "--prompt-ids", "1,2,3", "--max-new-tokens", "5",
                         "--eos-ids", "", "--json")
   res = json.loads(stdout)
-  assert code == 0 and len(res["token_ids"]) == 5 and res["prefill_s"] > 0 and res["decode_s"] > 0
+  assert code == 0 and len(res["token_ids"]) == 5 and res["wall_s"] > 0
+  assert res["first_token_round"] == 0 and res["target_forwards"] == 5     # the prompt in round 0, then 4 AR rounds
   cfg, _, _ = convert.load_target(ckpt)
   head_cfg = draft_head.DraftConfig.for_target(cfg, num_layers=1, block_size=4)
   convert.save_head(str(tmp_path / "head"), head_cfg, draft_head.init_head(head_cfg, __import__("jax").random.key(0)))
@@ -74,16 +75,16 @@ def test_convert_refuses_a_non_empty_output(hf_dir, tmp_path, capsys):
 
 
 def test_generate_takes_a_kernel_tuning_table(hf_dir, tmp_path, capsys, monkeypatch):
-  """--kernel-tuning checks the table and hands it to the generator inside the attention choice
+  """--kernel-tuning checks the table and hands it to the engine inside the attention choice
   (test_decode_attention runs the loops under a table); a bad table is refused before any model is loaded."""
   from jetspec_jax.attention import AttentionImpl
-  from jetspec_jax.decode import generation
+  from jetspec_jax.decode import engine
   from pallas_kernels import tuning
   table = tuning.KernelTuning(rules=((1, tuning.LaunchConfig(block_r=16)),))
   path = tmp_path / "tuning.json"
   table.save(path)
-  seen, init = [], generation.Generator.__init__
-  monkeypatch.setattr(generation.Generator, "__init__",
+  seen, init = [], engine.Engine.__init__
+  monkeypatch.setattr(engine.Engine, "__init__",
                       lambda self, *a, **kw: (seen.append(kw["attn_impl"]), init(self, *a, **kw))[1])
   argv = ["generate", "--target", hf_dir("dense_tied", "float32"), "--prompt-ids", "1,2", "--max-new-tokens", "2",
           "--json", "--kernel-tuning"]

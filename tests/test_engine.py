@@ -11,8 +11,9 @@ import pytest
 
 from jetspec_jax import sharding
 from jetspec_jax.bench import HOST_OPS
+from jetspec_jax.decode import reference
 from jetspec_jax.decode.engine import Engine, EnginePlan, Request
-from jetspec_jax.decode.generation import Generator, SamplingConfig
+from jetspec_jax.decode.generation import SamplingConfig
 from jetspec_jax.decode.profile import AcceptanceProfile
 from jetspec_jax.decode.speculative import TreeConfig
 from jetspec_jax.errors import JetSpecError
@@ -32,8 +33,8 @@ def random_requests(seed: int, count: int, max_prompt: int = 40, max_new: int = 
 
 @functools.lru_cache(maxsize=None)
 def ar_reference(prompt: tuple[int, ...], max_new: int, eos: tuple[int, ...]) -> list[int]:
-  """The request's own AR generation (batch of one, the static Generator)."""
-  return Generator(CFG, target(), eos_ids=eos).generate([list(prompt)], max_new).tokens[0]
+  """The request's own AR generation (``decode.reference``)."""
+  return reference.greedy(CFG, target(), prompt, max_new, eos)
 
 
 def check_lossless(run, requests, eos):
@@ -163,8 +164,8 @@ def test_a_2x2_mesh_equals_one_device(eight_devices):
 
 @pytest.mark.parametrize("sampling", ["greedy", "sampled", "per_request"])
 def test_a_round_moves_nothing_between_data_shards(eight_devices, sampling):
-  """On a data-only mesh the compiled engine holds one collective: the loop predicate's all-reduce (sampled:
-  the acceptance walk and the first tokens' draws run per data shard, as the tree)."""
+  """On a data-only mesh a compiled engine round holds one collective: the all-reduce of its loop control (a few
+  integers; sampled: the acceptance walk and the first tokens' draws run per data shard, as the tree)."""
   hcfg, hparams = head()
   mesh = sharding.make_mesh(4, 1, jax.devices()[:4])
   plan = EnginePlan(slots=8, rows=40, lanes=4, prefill_rows=8, max_prompt=16, max_new_tokens=8, queue=4, groups=4,
@@ -173,9 +174,13 @@ def test_a_round_moves_nothing_between_data_shards(eight_devices, sampling):
                   head_params=placed(hparams, draft_head.param_specs(hcfg), mesh), mesh=mesh,
                   sampling_cfg=SamplingConfig(0.7, 5, 0.9) if sampling == "sampled" else None)
   text = engine.lower().compile().as_text()
-  collectives = re.findall(r"= \S+ (all-gather|all-reduce|collective-permute|all-to-all|reduce-scatter)(?:-start)?\(",
+  collectives = re.findall(r"= (\S+) (all-gather|all-reduce|collective-permute|all-to-all|reduce-scatter)(?:-start)?\(",
                            text)
-  assert collectives == ["all-reduce"], collectives
+  # One reduction a round (the loop's control: pending, the next body, flush due), in each round body, each
+  # flush and before the loop: each a few integers.
+  variants = 2 * len(plan.key_lengths())
+  assert {op for _, op in collectives} == {"all-reduce"} and variants <= len(collectives) <= variants + 3, collectives
+  assert all(re.fullmatch(r"\(?s32\[[1-4]?\]\S*", shape) for shape, _ in collectives), collectives
 
 
 SAMPLED = [
@@ -203,3 +208,93 @@ def test_sampling_is_exact_under_continuous_batching(accept, tree, temperature, 
   tokens = np.asarray([r.tokens[:4] for r in run.results])
   assert tokens.shape == (n, 4)
   test_sampling.check_distribution(tokens, temperature, top_k, top_p, f"engine {accept}")
+
+
+def test_prompts_share_the_round_token_budget():
+  """Four lanes of 8 rows (a budget of 32 prompt rows per round), oldest request first: a 20-token prompt (3 lanes)
+  and an 8-token one (1 lane) complete in the round they are admitted; then a 12-token prompt takes 2 lanes and a
+  40-token one the other 2, then its remaining 24 rows take 3. The tokens are each request's own AR generation, and a finished
+  slot keeps no prefix (attention reads nothing of it)."""
+  rng = np.random.default_rng(5)
+  prompt = lambda n: [int(t) for t in rng.integers(1, CFG.vocab_size, n)]
+  requests = [Request(prompt(20), 6), Request(prompt(8), 5), Request(prompt(12), 7), Request(prompt(40), 4)]
+  for tree in (None, TreeConfig("best_nodes", 8, 3, 4)):
+    kw = {} if tree is None else dict(head_cfg=head()[0], head_params=head()[1])
+    engine = Engine.for_requests(CFG, target(), requests, slots=4, lanes=4, prefill_rows=8, tree=tree, eos_ids=(),
+                                 **kw)
+    assert engine.plan.prefill_budget == 32
+    run = engine.run(requests)
+    check_lossless(run, requests, ())
+    assert [r.admitted for r in run.results] == [0] * 4
+    assert [r.first for r in run.results] == [0, 0, 1, 2]
+    assert not np.any(np.asarray(engine.state.prefix_len)) and np.all(np.asarray(engine.state.entry) < 0)
+
+
+def test_the_round_body_follows_what_the_slots_need():
+  """No lanes while no slot is prefilling; the key length covers every held slot's rows (decode rows, or the
+  lanes' reach into the prompt) and nothing of free slots; a cancelled slot keeps no prefix; the state's control
+  after a step is the body its next round takes."""
+  from jetspec_jax.decode.engine import with_control
+  plan = EnginePlan(slots=3, rows=3, lanes=2, prefill_rows=8, max_prompt=40, max_new_tokens=200, queue=4,
+                    key_buckets=4)
+  engine = Engine(CFG, target(), plan, eos_ids=())
+  lengths = plan.key_lengths()
+  ids = engine.submit([Request([1] * 40, 150), Request([2] * 3, 4)])
+  variant = lambda: divmod(int(with_control(engine.state, plan).control[1]), 2)      # (key bucket, prefilling)
+  engine.step(1)                                            # admits both; the 40-token prompt takes both lanes
+  assert variant() == (next(i for i, n in enumerate(lengths) if n >= 40), 1)   # lanes reach the prompt's end
+  done = engine.step(2)
+  assert [r.id for r in done] == [] and variant()[1] == 0     # both prompts in: decode rounds only
+  assert divmod(int(engine.state.control[1]), 2) == variant() and int(engine.state.control[0]) == 1
+  prefix = np.asarray(engine.state.prefix_len)
+  assert variant()[0] == next(i for i, n in enumerate(lengths) if n >= prefix.max() + 1)
+  engine.cancel([ids[0]])
+  assert int(np.asarray(engine.state.prefix_len).max()) < 8 and variant()[0] == 0
+
+
+@pytest.mark.parametrize("tree", [TreeConfig("chain", 1, 1, 4), TreeConfig("accum_logp", 16, 3, 4)],
+                         ids=["chain", "accum_logp"])
+def test_a_drafter_that_is_always_right_or_always_wrong(tree):
+  """The engine takes a pluggable drafter. An oracle proposing the target's own continuation: every round
+  accepts the whole depth (tau = D + 1), and the profile counts say every depth was reached at rank 0; one that
+  is always wrong: tau 1, only depth 1 observed, never hit. The tokens are AR's either way."""
+  from jetspec_jax.decode.engine import acceptance, acceptance_profile
+  from test_speculative import PERFECT, WRONG
+  rounds, d = 3, tree.depth
+  rng = np.random.default_rng(2)
+  requests = [Request([int(t) for t in rng.integers(1, CFG.vocab_size, n)], 1 + rounds * (d + 1)) for n in (5, 9, 3)]
+  hcfg, hparams = head()
+  for drafter, right in ((PERFECT, True), (WRONG, False)):
+    engine = Engine.for_requests(CFG, target(), requests, slots=2, tree=tree, head_cfg=hcfg, head_params=hparams,
+                                 eos_ids=(), drafter=drafter)
+    run = engine.run(requests)
+    check_lossless(run, requests, ())
+    acc = acceptance(run.results)
+    w = tree.num_candidates
+    for r in run.results:
+      steps = rounds if right else len(r.tokens) - 1
+      assert r.steps == steps
+      assert r.depth_histogram.tolist() == ([0] * d + [steps] if right else [steps] + [0] * d)
+      assert r.depth_visits.tolist() == ([steps] * d if right else [steps] + [0] * (d - 1))
+      assert r.rank_hits.shape == (d, w) and r.rank_hits.sum() == (steps * d if right else 0)
+      assert (r.rank_hits[:, 0] == r.depth_visits).all() if right else True
+    assert acc["tau"] == (d + 1 if right else 1.0)
+    prof = acceptance_profile(run.results)
+    assert prof.visits[0] == sum(r.steps for r in run.results)
+
+
+def test_transfer_guard_and_fetch_hooks(monkeypatch):
+  """``transfer_guard`` wraps each step's device loop in the device-to-host guard at that level; ``on_fetch``
+  sees the arrays a step fetches; an unknown level is refused in one sentence."""
+  levels, fetches = [], []
+  guard = jax.transfer_guard_device_to_host
+  monkeypatch.setattr(jax, "transfer_guard_device_to_host", lambda level: levels.append(level) or guard(level))
+  requests = random_requests(3, 3)
+  engine = Engine.for_requests(CFG, target(), requests, slots=2, eos_ids=(), transfer_guard="disallow",
+                               on_fetch=fetches.append)
+  run = engine.run(requests)
+  check_lossless(run, requests, ())
+  assert levels == ["disallow"] and len(fetches) == 1
+  assert all(isinstance(a, jax.Array) for a in fetches[0])
+  with pytest.raises(JetSpecError, match="transfer_guard 'sometimes'"):
+    Engine.for_requests(CFG, target(), requests, slots=2, transfer_guard="sometimes")

@@ -31,6 +31,18 @@ def test_reference_is_not_degenerate(hf_reference):
     assert len(ref) == MAX_NEW and len(set(ref)) >= 4, ref
 
 
+def test_the_reference_decoder_matches_transformers(target, hf_reference):
+  """``decode.reference.greedy`` (the oracle the engine's equality tests use): transformers' tokens, and it
+  stops right after the first EOS."""
+  from jetspec_jax.decode import reference
+  cfg, params = target
+  for prompt, ref in zip(PROMPTS, hf_reference):
+    assert_agree(cfg, params, [prompt], [ref], [reference.greedy(cfg, params, prompt, MAX_NEW)])
+  ref = hf_reference[0]
+  stop = next(i for i in range(2, MAX_NEW) if ref[i] not in ref[:i])
+  assert reference.greedy(cfg, params, PROMPTS[0], MAX_NEW, eos_ids=(ref[stop],)) == ref[:stop + 1]
+
+
 def test_batch1_matches_transformers(target, hf_reference):
   cfg, params = target
   out = Generator(cfg, params).generate([PROMPTS[0]], MAX_NEW)

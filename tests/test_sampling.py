@@ -120,10 +120,10 @@ def target_step(params, cache, tok, pos):
 
 
 def mixed_drafter(variants, temperature, top_k, top_p):
-  def drafter(target_params, head_params, state, *, cfg, head_cfg, tree_cfg, attn_impl, mesh):
-    b = state.base
+  def drafter(target_params, head_params, view, *, cfg, head_cfg, tree_cfg, attn_impl, mesh):
+    b = view
     batch, depth = b.last_token.shape[0], tree_cfg.depth
-    noise = sampling.draft_gumbel(speculative.round_keys(state), depth, cfg.vocab_size)
+    noise = sampling.draft_gumbel(view.keys, depth, cfg.vocab_size)
 
     def chain_step(carry, d):
       cache, tok, pos = carry
@@ -143,13 +143,13 @@ def mixed_drafter(variants, temperature, top_k, top_p):
         "oracle": chain,
     }
     if "head" in variants:
-      options["head"] = speculative.head_drafter(target_params, head_params, state, cfg=cfg, head_cfg=head_cfg,
+      options["head"] = speculative.head_drafter(target_params, head_params, view, cfg=cfg, head_cfg=head_cfg,
                                                  tree_cfg=tree_cfg, attn_impl=attn_impl, mesh=mesh)[0]
     which = jnp.arange(batch) % len(variants)
     out = options[variants[0]]
     for i, name in enumerate(variants[1:], 1):
       out = jnp.where((which == i)[:, None, None], options[name], out)
-    return out, state.draft_cache
+    return out, view.draft_cache
   return drafter
 
 

@@ -81,9 +81,9 @@ def test_bidirectional_head_is_lossless():
   assert_agree(CFG, target(), PROMPTS3, ar_tokens(3, 12), out.tokens)
 
 
-def _greedy_continuation(target_params, state, depth):
-  """The target's own next ``depth`` greedy tokens after the state (on a scratch copy of the cache)."""
-  b = state.base
+def _greedy_continuation(target_params, view, depth):
+  """The target's own next ``depth`` greedy tokens after the drafter's view (on a scratch copy of the cache)."""
+  b = view
   batch = b.last_token.shape[0]
   one = jnp.ones((batch, 1, 1), bool)
 
@@ -99,10 +99,10 @@ def _greedy_continuation(target_params, state, depth):
 
 def oracle_drafter(offset):
   """A drafter proposing the target's greedy continuation (+offset mod V: always wrong if offset)."""
-  def drafter(target_params, head_params, state, *, cfg, head_cfg, tree_cfg, attn_impl, mesh):
-    toks = (_greedy_continuation(target_params, state, tree_cfg.depth) + offset) % cfg.vocab_size
+  def drafter(target_params, head_params, view, *, cfg, head_cfg, tree_cfg, attn_impl, mesh):
+    toks = (_greedy_continuation(target_params, view, tree_cfg.depth) + offset) % cfg.vocab_size
     logits = jnp.where(jax.nn.one_hot(toks, cfg.vocab_size, dtype=bool), 0.0, -1e9)
-    return logits, state.draft_cache
+    return logits, view.draft_cache
   return drafter
 
 
@@ -146,9 +146,9 @@ def test_finished_rows_commit_nothing_and_write_inside_the_cache():
   eos = (rows[0][stop],)                               # row 0 stops there; rows 1 and 2 run to max_new
   offsets = jnp.array([0, 1, 0])
 
-  def mixed(target_params, head_params, state, *, cfg, head_cfg, tree_cfg, attn_impl, mesh):
-    toks = (_greedy_continuation(target_params, state, tree_cfg.depth) + offsets[:, None]) % cfg.vocab_size
-    return jnp.where(jax.nn.one_hot(toks, cfg.vocab_size, dtype=bool), 0.0, -1e9), state.draft_cache
+  def mixed(target_params, head_params, view, *, cfg, head_cfg, tree_cfg, attn_impl, mesh):
+    toks = (_greedy_continuation(target_params, view, tree_cfg.depth) + offsets[:, None]) % cfg.vocab_size
+    return jnp.where(jax.nn.one_hot(toks, cfg.vocab_size, dtype=bool), 0.0, -1e9), view.draft_cache
 
   tc = TreeConfig("chain", 1, 1, 4)
   spec = Generator(CFG, target(), head_cfg=hcfg, head_params=hparams, tree=tc, drafter=mixed, eos_ids=eos)

@@ -4,25 +4,28 @@ Requests wait in a device-resident queue (per group: Q entries holding prompt id
 ``max_new_tokens``, a PRNG key and sampling parameters, admitted in order of their sequence numbers).
 Every round:
 
-  1. admit: each free slot takes the next queued request of its group (no host round-trip);
-  2. prefill lanes: each of L lanes per group takes a prefilling slot (oldest request first) and
-     runs its next C = ``prefill_rows`` prompt rows, causally, over that slot's cache rows;
-  3. budget: a decoding slot offers its root (the newest committed token) and, speculative, the
+  1. prefill under a token budget: each group's L lanes of C = ``prefill_rows`` prompt rows go to its
+     prefilling slots, oldest request first, each taking as many consecutive chunks of its prompt as
+     remain (so one prompt of up to L * C rows completes in one round, or several prompts share it);
+     a round in which no slot is prefilling runs a body without lanes;
+  2. budget: a decoding slot offers its root (the newest committed token) and, speculative, the
      nodes of its drafted tree; per group the ``rows / groups`` best are kept: every root, then tree
      nodes by calibrated cumulative draft log-probability (``decode.budget``), so the round's node
      budget is shared by the whole batch and spent where acceptance is likeliest. A kept node's
      parents and lower-ranked siblings are kept too: each slot verifies a smaller tree of its kind;
-  4. ONE target forward over the kept decode rows and the lanes' rows (``models.layers.PackedRows``:
-     the dense layers see K + L * C rows per group, attention sees decode rows in the caches' [B, W]
-     layout and each lane over its own slot's rows);
-  5. accept and commit (greedy or sampled, as ``decode.verify``); a slot whose prompt completed draws
+  3. ONE target forward over the kept decode rows and the lanes' rows (``models.layers.PackedRows``:
+     the dense layers see K + L * C rows per group; every row's keys and values are written in place at
+     its own cache row, decode rows attend in the caches' [B, W] layout and each lane over its slot's rows);
+  4. accept and commit (greedy or sampled, as ``decode.verify``); a slot whose prompt completed draws
      its first token; a finished slot's tokens go to its request's output entry and the slot is free
-     for the next round.
+     (``prefix_len`` 0: attention reads nothing of it);
+  5. admit: each free slot takes the next queued request of its group (no host round-trip), so the next
+     round's body (lanes or not, key length) is known before it runs.
 
 Groups are the unit of sharding: slots, queues, lanes and packed rows of group g live on data shard
 g (G a multiple of the mesh's data axis), and a round moves nothing between shards.
 
-Invariants per slot b holding a request (see ``decode.speculative`` for the speculative ones):
+Invariants per slot b (see ``decode.speculative`` for the speculative ones): free: prefix_len[b] = 0;
   prefilling: prefix_len[b] < prompt_len[b] prompt rows are in the cache, num_tokens[b] = 0;
   decoding: prefix_len[b] = prompt_len[b] + num_tokens[b] - 1 and ``last_token`` is not yet cached.
 A request's greedy tokens equal its own AR generation whatever the other slots hold, except where the
@@ -36,7 +39,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 import flax.struct
 import jax
@@ -48,11 +51,12 @@ from jetspec_jax.config import Qwen3Config
 from jetspec_jax.distributed import host_values
 from jetspec_jax.decode import budget, sampling, verify
 from jetspec_jax.decode.loop import commit_tokens
-from jetspec_jax.decode.speculative import TreeConfig, build_round_tree, observe_ranks
+from jetspec_jax.decode.speculative import (DraftView, Drafter, TreeConfig, build_round_tree, head_drafter,
+                                            observe_ranks)
 from jetspec_jax.errors import JetSpecError
 from jetspec_jax.models import draft_head, qwen3
 from jetspec_jax.models.draft_head import DraftConfig
-from jetspec_jax.models.layers import PackedRows, write_rows
+from jetspec_jax.models.layers import PackedRows
 from jetspec_jax.sharding import per_data_shard, whole_vocab
 
 EMPTY, QUEUED, RUNNING, FINISHED = 0, 1, 2, 3     # queue entry status
@@ -65,7 +69,8 @@ class EnginePlan:
 
   slots B, rows K (decode rows verified per round: the batch-wide node budget, roots included) and
   prefill lanes L are split evenly over ``groups``; K/G >= B/G so every decoding slot verifies its root.
-  ``prefill_rows`` C: prompt rows a lane runs per round. ``max_prompt`` / ``max_new_tokens``: a slot's
+  ``prefill_rows`` C: prompt rows per lane; a group's round prefills at most ``prefill_budget`` / G = L / G * C
+  prompt rows (its token budget), one prompt taking several lanes. ``max_prompt`` / ``max_new_tokens``: a slot's
   capacity; ``queue``: entries per group. ``tree`` None: plain AR decoding (no draft head).
   ``key_buckets`` > 1: attention reads only the cache's first S / 2**i rows (i < key_buckets) while no slot
   needs more (``run_rounds``): a round's attention costs what the longest live request needs, not the
@@ -90,6 +95,11 @@ class EnginePlan:
     return 1 if self.tree is None else self.tree.num_nodes()
 
   @property
+  def prefill_budget(self) -> int:
+    """Prompt rows per round over all groups: lanes x prefill_rows."""
+    return self.lanes * self.prefill_rows
+
+  @property
   def depth(self) -> int:
     return 0 if self.tree is None else self.tree.depth
 
@@ -104,11 +114,12 @@ class EnginePlan:
     return tuple(sorted({min(full, -(-(full >> i) // 8) * 8) for i in range(self.key_buckets)}))
 
   def cache_lengths(self, head_cfg: DraftConfig | None) -> tuple[int, int]:
-    """(target, draft) cache rows per slot: a full request plus one round's scratch rows."""
+    """(target, draft) cache rows per slot: a full request plus one round's scratch rows (tree nodes, the draft's
+    block) past it, and a prompt's last lane (up to C rows from its last prompt row)."""
     committed = self.max_prompt + self.max_new_tokens
-    scratch = max(self.nodes, self.prefill_rows)
-    draft = 0 if head_cfg is None else cache_rows(committed + max(head_cfg.block_size, scratch))
-    return cache_rows(committed + scratch), draft
+    lanes = self.max_prompt + self.prefill_rows
+    draft = 0 if head_cfg is None else cache_rows(max(committed + head_cfg.block_size, lanes))
+    return cache_rows(max(committed + self.nodes, lanes)), draft
 
   def validate(self, mesh=None) -> None:
     g = self.groups
@@ -142,6 +153,9 @@ class Queue:
   num_tokens: jax.Array    # [G, Q]
   steps: jax.Array         # [G, Q] decode rounds the request took part in (after its first token)
   depth_hist: jax.Array    # [G, Q, D+1] rounds that accepted exactly d draft tokens
+  depth_visits: jax.Array  # [G, Q, D] the request's acceptance-profile counts (``decode.profile``)
+  rank_hits: jax.Array     # [G, Q, D, W']
+  rank_mass: jax.Array     # [G, Q, D, W']
   admitted: jax.Array      # [G, Q] round it took a slot
   first: jax.Array         # [G, Q] round its first token was drawn
   finished: jax.Array      # [G, Q] round it finished
@@ -164,13 +178,17 @@ class EngineState:
   tokens: jax.Array        # [B, M]
   num_tokens: jax.Array    # [B]
   steps: jax.Array         # [B]
+  first: jax.Array         # [B] the round its first token was drawn
+  done: jax.Array          # [B] bool: its request finished this round (``flush`` hands it to the queue)
   cache: qwen3.KVCache
   draft_cache: qwen3.KVCache | None
   depth_hist: jax.Array    # [B, D+1]
-  rank_hits: jax.Array     # [B, D, W'] (online calibration; W' = the tree's candidates)
+  depth_visits: jax.Array  # [B, D] the request's acceptance-profile counts so far (``decode.profile``; read by
+  rank_hits: jax.Array     # [B, D, W'] online calibration; W' = the tree's candidates)
   rank_mass: jax.Array     # [B, D, W']
   round: jax.Array         # [] rounds run
-  busy: jax.Array          # [] slot-rounds that held a request
+  busy: jax.Array          # [B] rounds the slot held a request (summed on the host: no reduction on device)
+  control: jax.Array       # [3] int32 (pending, the next round's body, flush due): ``with_control``
 
 
 def init_state(plan: EnginePlan, cfg: Qwen3Config, head_cfg: DraftConfig | None, cache_dtype, draft_dtype,
@@ -186,16 +204,32 @@ def init_state(plan: EnginePlan, cfg: Qwen3Config, head_cfg: DraftConfig | None,
                 key=jnp.zeros((g, q) + KEY_SHAPE, jnp.uint32), temperature=zf(g, q), top_k=zi(g, q),
                 top_p=zf(g, q) + 1, status=zi(g, q), seq=zi(g, q),
                 tokens=jnp.full((g, q, m), -1, jnp.int32), num_tokens=zi(g, q), steps=zi(g, q),
-                depth_hist=zi(g, q, d + 1), admitted=zi(g, q), first=zi(g, q), finished=zi(g, q))
+                depth_hist=zi(g, q, d + 1), depth_visits=zi(g, q, d), rank_hits=zi(g, q, d, w),
+                rank_mass=zf(g, q, d, w), admitted=zi(g, q), first=zi(g, q), finished=zi(g, q))
   draft_cache = None if head_cfg is None else draft_head.init_context_cache(head_cfg, b, draft_len, draft_dtype, mesh)
   state = EngineState(queue=queue, entry=jnp.full((b,), -1, jnp.int32), seq=zi(b), prompt_len=zi(b), max_new=zi(b),
                       key=jnp.zeros((b,) + KEY_SHAPE, jnp.uint32), temperature=zf(b), top_k=zi(b), top_p=zf(b) + 1,
                       prefix_len=zi(b), last_token=zi(b),
-                      tokens=jnp.full((b, m), -1, jnp.int32), num_tokens=zi(b), steps=zi(b),
+                      tokens=jnp.full((b, m), -1, jnp.int32), num_tokens=zi(b), steps=zi(b), first=zi(b),
+                      done=jnp.zeros((b,), bool),
                       cache=qwen3.init_cache(cfg, b, target_len, cache_dtype, mesh), draft_cache=draft_cache,
-                      depth_hist=zi(b, d + 1), rank_hits=zi(b, d, w), rank_mass=jnp.zeros((b, d, w), jnp.float32),
-                      round=jnp.zeros((), jnp.int32), busy=jnp.zeros((), jnp.int32))
+                      depth_hist=zi(b, d + 1), depth_visits=zi(b, d), rank_hits=zi(b, d, w), rank_mass=zf(b, d, w),
+                      round=jnp.zeros((), jnp.int32), busy=zi(b),
+                      control=jnp.zeros((3,), jnp.int32))
   return place(state, mesh)
+
+
+@functools.partial(jax.jit, donate_argnames=("state",))
+def reset(state: EngineState) -> EngineState:
+  """``state`` emptied as ``init_state`` makes it (free slots, empty queues, counters 0), in place, its caches
+  kept as they are: no row past a slot's ``prefix_len`` is ever read, and a free slot's is 0."""
+  caches = (state.cache, state.draft_cache)
+  fresh = jax.tree.map(jnp.zeros_like, state.replace(cache=None, draft_cache=None))
+  neg = lambda x: jnp.full_like(x, -1)
+  one = lambda x: jnp.ones_like(x)
+  fresh = fresh.replace(queue=fresh.queue.replace(top_p=one(fresh.queue.top_p), tokens=neg(fresh.queue.tokens)),
+                        entry=neg(fresh.entry), top_p=one(fresh.top_p), tokens=neg(fresh.tokens))
+  return fresh.replace(cache=caches[0], draft_cache=caches[1])
 
 
 def place(state: EngineState, mesh=None) -> EngineState:
@@ -207,8 +241,8 @@ def place(state: EngineState, mesh=None) -> EngineState:
   put = lambda x: jax.device_put(x, data)
   queue = jax.tree.map(put, state.queue)
   small = {f: put(getattr(state, f)) for f in ("entry", "seq", "prompt_len", "max_new", "key", "temperature", "top_k",
-                                               "top_p", "prefix_len", "last_token", "tokens", "num_tokens", "steps",
-                                               "depth_hist", "rank_hits", "rank_mass")}
+                                               "top_p", "prefix_len", "last_token", "tokens", "num_tokens", "steps", "first", "done",
+                                               "depth_hist", "depth_visits", "rank_hits", "rank_mass", "busy")}
   return state.replace(queue=queue, **small)
 
 
@@ -242,7 +276,8 @@ def drop(state: EngineState, group: jax.Array, entry: jax.Array) -> EngineState:
   slot_group = jnp.arange(state.entry.shape[0]) // per
   held = jnp.any((state.entry[:, None] == entry[None, :]) & (slot_group[:, None] == group[None, :]), axis=1)
   return state.replace(queue=state.queue.replace(status=state.queue.status.at[group, entry].set(EMPTY)),
-                       entry=jnp.where(held, -1, state.entry))
+                       entry=jnp.where(held, -1, state.entry), prefix_len=jnp.where(held, 0, state.prefix_len),
+                       done=state.done & ~held)
 
 
 def _admit(s: EngineState, plan: EnginePlan, mesh=None) -> EngineState:
@@ -274,55 +309,71 @@ def _admit(s: EngineState, plan: EnginePlan, mesh=None) -> EngineState:
                    max_new=pick(max_new, s.max_new), key=pick(key, s.key), temperature=pick(temp, s.temperature),
                    top_k=pick(top_k, s.top_k), top_p=pick(top_p, s.top_p),
                    prefix_len=zero(s.prefix_len), num_tokens=zero(s.num_tokens), steps=zero(s.steps),
+                   done=s.done & ~fresh,
                    tokens=pick(jnp.full_like(s.tokens, -1), s.tokens), depth_hist=zero(s.depth_hist),
-                   rank_hits=zero(s.rank_hits), rank_mass=zero(s.rank_mass))
+                   depth_visits=zero(s.depth_visits), rank_hits=zero(s.rank_hits), rank_mass=zero(s.rank_mass))
 
 
-def _lanes(s: EngineState, plan: EnginePlan, prefilling: jax.Array, mesh) -> tuple[jax.Array, jax.Array]:
-  """Each group's prefill lanes: the prefilling slots of its L/G oldest requests. Returns (lane slot
-  [G, L/G] within the group, slots_per_group for an idle lane; prompt rows [G * L/G, C] from each lane's
-  slot's queue entry and prompt position)."""
-  g, per, lanes = plan.groups, plan.slots // plan.groups, plan.lanes // plan.groups
-  lowest = jnp.iinfo(jnp.int32).min
+def _lanes(s: EngineState, plan: EnginePlan, prefilling: jax.Array, mesh):
+  """Each group's prefill lanes: its prefilling slots oldest request first, each taking ceil(remaining / C)
+  consecutive lanes (chunks of its prompt) while the group's L/G lanes last. Returns (lane slot [G, L/G] within
+  the group, slots_per_group for an idle lane; lane start [G, L/G]: its first prompt row; prompt rows
+  [G * L/G, C])."""
+  g, per, lanes, c = plan.groups, plan.slots // plan.groups, plan.lanes // plan.groups, plan.prefill_rows
+  last = jnp.iinfo(jnp.int32).max
 
-  def group(q: Queue, waiting, seq, entry, prefix):
-    best, slot = jax.lax.top_k(jnp.where(waiting, -seq, lowest), min(lanes, per))
-    slot = jnp.where(best > lowest, slot, per)
-    slot = jnp.pad(slot, (0, lanes - slot.shape[0]), constant_values=per)
-    at = jnp.minimum(slot, per - 1)
-    cols = jnp.clip(prefix[at][:, None] + jnp.arange(plan.prefill_rows)[None, :], 0, plan.max_prompt - 1)
-    return slot.astype(jnp.int32), q.prompt[jnp.maximum(entry[at], 0)[:, None], cols]
+  def group(q: Queue, waiting, seq, entry, prefix, prompt_len):
+    order = jnp.argsort(jnp.where(waiting, seq, last))                   # waiting slots first, oldest first
+    need = jnp.where(waiting, -(-(prompt_len - prefix) // c), 0)[order]
+    end = jnp.cumsum(need)
+    j = jnp.arange(lanes)
+    i = jnp.sum(end[None, :] <= j[:, None], axis=1)                       # position in ``order`` of lane j's slot
+    live = i < per
+    i = jnp.minimum(i, per - 1)
+    slot = jnp.where(live, order[i], per).astype(jnp.int32)
+    start = jnp.where(live, prefix[order[i]] + (j - (end[i] - need[i])) * c, 0).astype(jnp.int32)
+    cols = jnp.clip(start[:, None] + jnp.arange(c)[None, :], 0, plan.max_prompt - 1)
+    return slot, start, q.prompt[jnp.maximum(entry[order[i]], 0)[:, None], cols]
 
   by_group = lambda x: x.reshape(g, per)
-  slot, rows = per_data_shard(jax.vmap(group), mesh)(s.queue, by_group(prefilling), by_group(s.seq),
-                                                     by_group(s.entry), by_group(s.prefix_len))
-  return slot, rows.reshape(plan.lanes, plan.prefill_rows)
+  slot, start, rows = per_data_shard(jax.vmap(group), mesh)(s.queue, by_group(prefilling), by_group(s.seq),
+                                                            by_group(s.entry), by_group(s.prefix_len),
+                                                            by_group(s.prompt_len))
+  return slot, start, rows.reshape(plan.lanes, c)
 
 
-def _finish(q: Queue, plan: EnginePlan, finished, completes, entry, round_, **values) -> Queue:
-  """Per group: finished slots' ``values`` ([B, ...]: tokens, num_tokens, steps, depth_hist) into their
-  queue entries (status FINISHED, round), and the first-token round of prompts completed this round."""
+def flush(s: EngineState, plan: EnginePlan, mesh=None) -> EngineState:
+  """Between rounds: every done slot's request (tokens, counts, rounds) goes to its queue entry (FINISHED) and
+  the slot is freed (prefix_len 0: attention reads nothing of it), then free slots are admitted (``_admit``) and
+  the control recomputed. Rounds run between flushes without touching the queue."""
   g, per = plan.groups, plan.slots // plan.groups
   by_group = lambda x: x.reshape((g, per) + x.shape[1:])
+  values = dict(tokens=s.tokens, num_tokens=s.num_tokens, steps=s.steps, first=s.first, depth_hist=s.depth_hist,
+                depth_visits=s.depth_visits, rank_hits=s.rank_hits, rank_mass=s.rank_mass)
 
-  def group(q: Queue, fin, first, vals):
+  def group(q: Queue, fin, vals):
     put = lambda a, v: a.at[fin].set(v, mode="drop")
-    return q.replace(status=put(q.status, FINISHED), finished=put(q.finished, round_),
-                     first=q.first.at[first].set(round_, mode="drop"),
+    return q.replace(status=put(q.status, FINISHED), finished=put(q.finished, s.round - 1),
                      **{k: put(getattr(q, k), v) for k, v in vals.items()})
 
-  fin = by_group(jnp.where(finished, entry, plan.queue))
-  first = by_group(jnp.where(completes, entry, plan.queue))
-  return jax.vmap(group)(q, fin, first, {k: by_group(v) for k, v in values.items()})
+  fin = by_group(jnp.where(s.done, s.entry, plan.queue))
+  queue = jax.vmap(group)(s.queue, fin, {k: by_group(v) for k, v in values.items()})
+  # A freed slot's counts go too: online calibration over the batch reads the requests holding slots.
+  free = lambda x: jnp.where(s.done.reshape((-1,) + (1,) * (x.ndim - 1)), jnp.zeros_like(x), x)
+  s = s.replace(queue=queue, entry=jnp.where(s.done, -1, s.entry), prefix_len=free(s.prefix_len),
+                rank_hits=free(s.rank_hits), rank_mass=free(s.rank_mass), done=jnp.zeros_like(s.done))
+  return with_control(_admit(s, plan, mesh), plan)
 
 
 def engine_round(target_params, head_params, s: EngineState, *, plan: EnginePlan, cfg: Qwen3Config,
                  head_cfg: DraftConfig | None, eos_ids: tuple[int, ...], temperature: float, top_k: int,
-                 top_p: float, accept: str, attn_impl, mesh, key_len: int | None = None) -> EngineState:
-  """One round of every slot: admit, draft, pack, verify, accept, commit, finish (module docstring).
+                 top_p: float, accept: str, attn_impl, mesh, drafter: Drafter = head_drafter,
+                 key_len: int | None = None, prefill: bool = True) -> EngineState:
+  """One round of every slot: prefill, draft, pack, verify, accept, commit (module docstring); no slot is done.
   ``key_len``: the target's attention reads cache rows < key_len only (the caller checks no slot needs more).
+  ``prefill`` False: the body without lanes (the caller checks no slot is prefilling). ``drafter``: the per-depth
+  logits of the speculative rounds (``speculative.Drafter``; the JetSpec head by default).
   temperature / top_k / top_p: the compiled setting, unused with ``plan.per_request_sampling``."""
-  s = _admit(s, plan, mesh)
   tree_cfg = plan.tree
   b, n, d, c = plan.slots, plan.nodes, plan.depth, plan.prefill_rows
   per, k_per = plan.slots // plan.groups, plan.group_rows
@@ -352,8 +403,10 @@ def engine_round(target_params, head_params, s: EngineState, *, plan: EnginePlan
   else:
     with jax.named_scope("jetspec_draft"):
       head = draft_head.bind(head_cfg, head_params)
-      depth_logits, draft_cache = head.draft_logits(target, s.draft_cache, s.prefix_len, s.last_token, d,
-                                                    attn_impl, mesh)
+      view = DraftView(cache=s.cache, draft_cache=s.draft_cache, last_token=s.last_token, prefix_len=s.prefix_len,
+                       keys=step_keys)
+      depth_logits, draft_cache = drafter(target_params, head_params, view, cfg=cfg, head_cfg=head_cfg,
+                                          tree_cfg=tree_cfg, attn_impl=attn_impl, mesh=mesh)
     with jax.named_scope("jetspec_tree"):
       def tree_and_scores(anchor, logits, round_keys, hits, mass, *rows):
         def build(t, k, p):
@@ -385,11 +438,13 @@ def engine_round(target_params, head_params, s: EngineState, *, plan: EnginePlan
   with jax.named_scope("jetspec_budget"):
     pack = functools.partial(budget.pack, rows=k_per, slots_per_group=per, span=n)
     slot, node, live, index = per_data_shard(pack, mesh)(priority.reshape(plan.groups, per * n))
-    lane_slot, lane_tokens = _lanes(s, plan, prefilling, mesh)
-    packed = PackedRows(slot=slot, node=node, lane_slot=lane_slot,
-                        lane_start=jnp.zeros_like(lane_slot), slots_per_group=per, span=n, lane_rows=c,
-                        key_len=key_len)
-    packed = packed.replace(lane_start=packed.lane_sequences(s.prefix_len).reshape(lane_slot.shape))
+    if prefill:
+      lane_slot, lane_start, lane_tokens = _lanes(s, plan, prefilling, mesh)
+    else:
+      lane_slot = lane_start = jnp.zeros((plan.groups, 0), jnp.int32)
+      lane_tokens = jnp.zeros((0, c), jnp.int32)
+    packed = PackedRows(slot=slot, node=node, lane_slot=lane_slot, lane_start=lane_start, slots_per_group=per,
+                        span=n, lane_rows=c, key_len=key_len)
     chosen = packed.scatter(live[..., None])[..., 0]                                   # [B, N]
     mask = (dec_mask & chosen[:, None, :]) | jnp.eye(n, dtype=bool)[None]
     flat_rows = lambda x: jnp.take_along_axis(x.reshape(plan.groups, per * n), index, axis=1)
@@ -398,30 +453,34 @@ def engine_round(target_params, head_params, s: EngineState, *, plan: EnginePlan
 
   with jax.named_scope("jetspec_verify"):
     taps_at = () if tree_cfg is None else head_cfg.target_layer_ids
+    # Slots not decoding attend from row 0 (their decode rows are discarded): nothing of them is read.
     h, cache, taps = target.hidden(join(flat_rows(dec_tokens), lane_tokens), join(flat_rows(dec_pos), lane_pos),
-                                   mask, cache=s.cache, prefix_len=s.prefix_len, tap_layers=taps_at,
+                                   mask, cache=s.cache, prefix_len=jnp.where(decoding, s.prefix_len, 0),
+                                   tap_layers=taps_at,
                                    attn_impl=attn_impl, mesh=mesh, packed=packed)
     h_dec, h_lane = packed.split(h)
     logits = target.logits(h_dec)                                                      # [G, K, V]
     # A lane's prompt rows this round, and the last one's logits (its slot's first token if the prompt ends).
-    lane_remaining = packed.lane_sequences(s.prompt_len) - packed.lane_start.reshape(-1)
-    lane_live = packed.lane_slot.reshape(-1) < per
-    lane_take = jnp.where(lane_live, jnp.minimum(lane_remaining, c), 0)
-    lane_last = jnp.take_along_axis(h_lane, jnp.maximum(lane_take - 1, 0)[:, None, None], axis=1)[:, 0]
-    lane_logits = target.logits(lane_last)                                             # [G * L, V]
+    if prefill:
+      lane_remaining = packed.lane_sequences(s.prompt_len) - packed.lane_start.reshape(-1)
+      lane_live = packed.lane_slot.reshape(-1) < per
+      lane_take = jnp.where(lane_live, jnp.minimum(lane_remaining, c), 0)
+      lane_last = jnp.take_along_axis(h_lane, jnp.maximum(lane_take - 1, 0)[:, None, None], axis=1)[:, 0]
+      lane_logits = target.logits(lane_last)                                           # [G * L, V]
 
   with jax.named_scope("jetspec_accept"):
-    lane_completes = lane_live & (lane_take == lane_remaining)
-    lane_keys = sampling.step_keys(packed.lane_sequences(keys), 0)
-    if greedy:
-      lane_first = sampling.sample_tokens(lane_logits, lane_keys, temperature)
-    else:                                     # lanes are grouped by data shard, as slots
-      lane_first = per_data_shard(lambda lg, keys, *rows: sampling.sample_tokens(lg, keys, *(rows or params())), mesh)(
-          whole_vocab(lane_logits, mesh), lane_keys, *(params(packed.lane_sequences) if per_row else ()))
-    slot_values = lambda v, fill: packed.set_lane_sequences(jnp.full((b,) + v.shape[1:], fill, v.dtype), v)
-    consumed = slot_values(lane_take, 0)
-    completes = slot_values(lane_completes, False)
-    first = slot_values(lane_first, 0)
+    if prefill:                               # the lane holding a prompt's last row draws its slot's first token
+      lane_completes = lane_live & (lane_take == lane_remaining)
+      lane_keys = sampling.step_keys(packed.lane_sequences(keys), 0)
+      if greedy:
+        lane_first = sampling.sample_tokens(lane_logits, lane_keys, temperature)
+      else:                                   # lanes are grouped by data shard, as slots
+        lane_first = per_data_shard(lambda lg, keys, *rows: sampling.sample_tokens(lg, keys, *(rows or params())),
+                                    mesh)(whole_vocab(lane_logits, mesh), lane_keys,
+                                          *(params(packed.lane_sequences) if per_row else ()))
+      consumed = packed.sum_lane_sequences(lane_take)
+      completes = packed.set_lane_sequences(jnp.zeros((b,), bool), lane_completes, keep=lane_completes)
+      first = packed.set_lane_sequences(jnp.zeros((b,), jnp.int32), lane_first, keep=lane_completes)
     # Row r of the [B, N] layout -> its packed row (for logits; unchosen rows read packed row 0).
     row_of = packed.scatter(jnp.broadcast_to(jnp.arange(k_per, dtype=jnp.int32), live.shape)[..., None])[..., 0]
 
@@ -472,13 +531,20 @@ def engine_round(target_params, head_params, s: EngineState, *, plan: EnginePlan
 
   with jax.named_scope("jetspec_commit"):
     out, num, done_dec, appended = commit_tokens(s.tokens, s.num_tokens, ~decoding, new, count, eos_ids, s.max_new)
-    out, num, done_first, _ = commit_tokens(out, num, ~completes, first[:, None], jnp.ones((b,), jnp.int32),
-                                            eos_ids, s.max_new)
-    finished = (decoding & done_dec) | (completes & done_first)
-    prefix_len = s.prefix_len + jnp.where(decoding, appended, consumed)
-    last_token = jnp.where(decoding, correction, jnp.where(completes, first, s.last_token))
+    finished = decoding & done_dec
+    prefix_len = s.prefix_len + jnp.where(decoding, appended, 0)
+    last_token = jnp.where(decoding, correction, s.last_token)
+    first_round = s.first
+    if prefill:                               # prompts completed this round: their first tokens
+      out, num, done_first, _ = commit_tokens(out, num, ~completes, first[:, None], jnp.ones((b,), jnp.int32),
+                                              eos_ids, s.max_new)
+      finished = finished | (completes & done_first)
+      prefix_len = prefix_len + consumed
+      last_token = jnp.where(completes, first, last_token)
+      first_round = jnp.where(completes, s.round, s.first)
     steps = s.steps + decoding.astype(jnp.int32)
-    depth_hist, rank_hits, rank_mass, draft_out = s.depth_hist, s.rank_hits, s.rank_mass, None
+    depth_hist, depth_visits, rank_hits, rank_mass = s.depth_hist, s.depth_visits, s.rank_hits, s.rank_mass
+    draft_out = None
     if tree_cfg is None:
       depth_hist = depth_hist + decoding[:, None].astype(jnp.int32)
     else:
@@ -486,58 +552,72 @@ def engine_round(target_params, head_params, s: EngineState, *, plan: EnginePlan
       taps_dec, taps_lane = packed.split(taps)
       path_taps = jnp.take_along_axis(packed.scatter(taps_dec), acc.path[:, :, None], axis=1)     # [B, D+1, F]
       draft_out = head.append_context(draft_cache, path_taps, s.prefix_len)
-      lane_ctx = head.context_kv(taps_lane, lane_pos)                    # per layer [G * L, Hkv, C, Dh]
-      lane_start = packed.lane_start.reshape(-1)
-      write = lambda c_, rows: packed.set_lane_sequences(c_, write_rows(packed.lane_sequences(c_), rows, lane_start))
-      draft_out = qwen3.KVCache(k=tuple(write(c_, k) for c_, (k, _) in zip(draft_out.k, lane_ctx)),
-                                v=tuple(write(c_, v) for c_, (_, v) in zip(draft_out.v, lane_ctx)))
+      if prefill:                             # the lanes' context rows, each written in place at its own row
+        lane_ctx = head.context_kv(taps_lane, lane_pos)                  # per layer [G * L, Hkv, C, Dh]
+        seq, at = packed.lane_cache_rows()
+        rows_of = lambda x: x.transpose(0, 2, 1, 3).reshape((plan.groups, -1) + x.shape[1:2] + x.shape[3:])
+        write = lambda c_, rows: packed.put_rows(c_, rows_of(rows), seq, at)
+        draft_out = qwen3.KVCache(k=tuple(write(c_, k) for c_, (k, _) in zip(draft_out.k, lane_ctx)),
+                                  v=tuple(write(c_, v) for c_, (_, v) in zip(draft_out.v, lane_ctx)))
       depth_hist = depth_hist + jax.nn.one_hot(acc.depth, d + 1, dtype=jnp.int32) * decoding[:, None]
-      _, hits, mass = observe_ranks(tree, acc, new, decoding)
-      rank_hits, rank_mass = rank_hits + hits, rank_mass + mass
+      visits, hits, mass = observe_ranks(tree, acc, new, decoding)
+      depth_visits, rank_hits, rank_mass = depth_visits + visits, rank_hits + hits, rank_mass + mass
 
-  # Finished slots hand their tokens to the queue and free themselves.
-  queue = _finish(s.queue, plan, finished, completes, s.entry, s.round, tokens=out, num_tokens=num, steps=steps,
-                  depth_hist=depth_hist)
-  return s.replace(queue=queue, entry=jnp.where(finished, -1, s.entry), prefix_len=prefix_len, last_token=last_token,
-                   tokens=out, num_tokens=num, steps=steps, cache=cache, draft_cache=draft_out,
-                   depth_hist=depth_hist, rank_hits=rank_hits, rank_mass=rank_mass, round=s.round + 1,
-                   busy=s.busy + jnp.sum(held).astype(jnp.int32))
+  # Finished slots wait, done, for the flush after this round (``flush``).
+  return s.replace(prefix_len=prefix_len, last_token=last_token, tokens=out, num_tokens=num, steps=steps,
+                   first=first_round, done=finished, cache=cache, draft_cache=draft_out,
+                   depth_hist=depth_hist, depth_visits=depth_visits, rank_hits=rank_hits, rank_mass=rank_mass,
+                   round=s.round + 1, busy=s.busy + held.astype(jnp.int32))
 
 
-def pending(s: EngineState) -> jax.Array:
-  """[] bool: a slot holds a request or one is queued."""
-  return jnp.any(s.entry >= 0) | jnp.any(s.queue.status == QUEUED)
+def with_control(s: EngineState, plan: EnginePlan) -> EngineState:
+  """The state with ``control`` = (pending: a slot holds a request or one is queued; the next round's body,
+  2 * key bucket + prefilling: the shortest of ``plan.key_lengths()`` no held slot's rows reach past, and whether
+  a slot is prefilling; flush due: a slot is done, or free while its group has a queued request). The values come
+  from ONE max over the slots (the only reduction across data shards of a round)."""
+  g, per = plan.groups, plan.slots // plan.groups
+  held = s.entry >= 0
+  prefilling = held & (s.prefix_len < s.prompt_len)
+  queued = jnp.repeat(jnp.any(s.queue.status == QUEUED, axis=1), per)              # [B]: its group has a queue
+  lane_reach = jnp.minimum(s.prompt_len, s.prefix_len + plan.prefill_budget // g) + plan.prefill_rows
+  # Every slot's decode rows sit somewhere in the [B, W] layout (row 0 onwards when not decoding).
+  needed = jnp.where(held, jnp.where(prefilling, lane_reach, s.prefix_len + plan.nodes), 0)
+  due = s.done | (~held & queued)
+  pending, needed, prefill, due = jnp.max(jnp.stack([held | queued, needed, prefilling, due], axis=1).astype(jnp.int32),
+                                          axis=0)
+  lengths = plan.key_lengths()
+  bucket = jnp.minimum(jnp.sum(jnp.asarray(lengths) < jnp.maximum(needed, plan.nodes)), len(lengths) - 1)
+  return s.replace(control=jnp.stack([pending, 2 * bucket + prefill, due]).astype(jnp.int32))
 
 
 @functools.partial(jax.jit, static_argnames=("plan", "cfg", "head_cfg", "eos_ids", "temperature", "top_k", "top_p",
-                                             "accept", "attn_impl", "mesh"),
+                                             "accept", "attn_impl", "mesh", "drafter"),
                    donate_argnames=("state",))
 def run_rounds(target_params, head_params, state: EngineState, max_rounds: jax.Array, *, plan: EnginePlan,
                cfg: Qwen3Config, head_cfg: DraftConfig | None, eos_ids: tuple[int, ...], temperature: float = 0.0,
                top_k: int = 0, top_p: float = 1.0, accept: str = "rejection", attn_impl="xla",
-               mesh=None) -> EngineState:
+               mesh=None, drafter: Drafter = head_drafter) -> EngineState:
   """Rounds until no request is pending or ``max_rounds`` (a traced int: one program serves offline
   runs and segments) more have run; the state is donated."""
   stop = state.round + max_rounds
   body = functools.partial(engine_round, target_params, head_params, plan=plan, cfg=cfg, head_cfg=head_cfg,
                            eos_ids=eos_ids, temperature=temperature, top_k=top_k, top_p=top_p, accept=accept,
-                           attn_impl=attn_impl, mesh=mesh)
-  going = lambda s: pending(s) & (s.round < stop)
-  lengths = plan.key_lengths()
-  if len(lengths) == 1:
-    return jax.lax.while_loop(going, body, state)
-  scratch = max(plan.nodes, plan.prefill_rows)
+                           attn_impl=attn_impl, mesh=mesh, drafter=drafter)
+  going = lambda s: (s.control[0] > 0) & (s.round < stop)
+  # One round body per (key length, with or without prefill lanes); the body changes rarely (a prompt
+  # arriving or completing, a request growing past a length, the longest one finishing): one switch then.
+  variants = [(key_len, prefill) for key_len in plan.key_lengths() for prefill in (False, True)]
 
-  def bucket(s):                         # the shortest key length no held slot's round can reach past
-    needed = jnp.max(jnp.where(s.entry >= 0, s.prefix_len, 0)) + scratch
-    return jnp.minimum(jnp.sum(jnp.asarray(lengths) < needed), len(lengths) - 1)
+  def rounds_in(v):
+    key_len, prefill = variants[v]
+    step = lambda s: with_control(body(s, key_len=key_len, prefill=prefill), plan)
+    return lambda s: jax.lax.while_loop(lambda s: going(s) & (s.control[1] == v) & (s.control[2] == 0), step, s)
 
-  def rounds_in(b):
-    return lambda s: jax.lax.while_loop(lambda s: going(s) & (bucket(s) == b),
-                                        functools.partial(body, key_len=lengths[b]), s)
-  # The bucket changes rarely (a request growing past a length, the longest one finishing): one switch then.
-  return jax.lax.while_loop(going, lambda s: jax.lax.switch(bucket(s), [rounds_in(b) for b in range(len(lengths))],
-                                                            s), state)
+  def rounds(s):                       # flush (finish, admit), then rounds of one body until the next flush is due
+    s = flush(s, plan, mesh)
+    return jax.lax.switch(s.control[1], [rounds_in(v) for v in range(len(variants))], s)
+  state = jax.lax.while_loop(going, rounds, with_control(state, plan))
+  return flush(state, plan, mesh)                 # the segment's finished requests in the queue, free slots admitted
 
 
 @dataclasses.dataclass(frozen=True)
@@ -557,15 +637,38 @@ class Request:
 @dataclasses.dataclass(frozen=True)
 class RequestResult:
   """What the engine produced for one request. steps: decode rounds after its first token;
-  depth_histogram [D+1]: those rounds by accepted draft tokens (AR: [steps]); admitted / first /
+  depth_histogram [D+1]: those rounds by accepted draft tokens (AR: [steps]); depth_visits [D], rank_hits and
+  rank_mass [D, W]: its acceptance-profile counts (``decode.profile``; AR: D = 0); admitted / first /
   finished: the engine rounds at which it took a slot, drew its first token and finished."""
   id: int
   tokens: list[int]
   steps: int
   depth_histogram: np.ndarray
+  depth_visits: np.ndarray
+  rank_hits: np.ndarray
+  rank_mass: np.ndarray
   admitted: int
   first: int
   finished: int
+
+
+def acceptance(results: Sequence[RequestResult]) -> dict:
+  """tau and per-depth acceptance over requests: the one place they are computed. tau = committed tokens per
+  decode round, each request's first token (drawn by its prefill) excluded; acceptance_by_depth[d-1] = share of
+  rounds that accepted at least d draft tokens."""
+  rounds = sum(r.steps for r in results)
+  decoded = sum(len(r.tokens) - 1 for r in results)
+  hist = np.sum([r.depth_histogram for r in results], axis=0)
+  at_least = hist[::-1].cumsum()[::-1]
+  return {"tau": decoded / max(rounds, 1), "rounds": rounds, "depth_histogram": hist.tolist(),
+          "acceptance_by_depth": [float(at_least[d] / max(rounds, 1)) for d in range(1, len(hist))]}
+
+
+def acceptance_profile(results: Sequence[RequestResult]):
+  """The per-(depth, rank) acceptance counts of speculative requests, summed (``decode.profile.AcceptanceProfile``)."""
+  from jetspec_jax.decode.profile import AcceptanceProfile
+  total = lambda field: np.sum([getattr(r, field) for r in results], axis=0)
+  return AcceptanceProfile.from_counts(total("depth_visits"), total("rank_hits"), total("rank_mass"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -589,14 +692,22 @@ class Engine:
   ``head_params`` and ``plan.tree``). Offline: ``run(requests)``. Segmented: ``submit`` requests, then
   ``step(rounds)`` runs at most that many rounds on device (state donated) and returns the requests
   that finished; a host may submit more between steps, read the running requests' tokens (``progress``)
-  and ``cancel`` requests."""
+  and ``cancel`` requests.
+
+  ``drafter``: the speculative rounds' per-depth logits (``speculative.Drafter``; default the head). Instrumentation
+  (benchmarks, tests): ``transfer_guard`` (one of ``TRANSFER_GUARDS``) runs every ``step``'s device loop, and waits
+  for it, under ``jax.transfer_guard_device_to_host(transfer_guard)``; ``on_fetch(arrays)`` sees the device arrays
+  ``step`` fetches to the host, just before."""
 
   def __init__(self, target_cfg: Qwen3Config, target_params: dict, plan: EnginePlan, *,
                head_cfg: DraftConfig | None = None, head_params: dict | None = None,
                sampling_cfg=None, eos_ids: Sequence[int] | None = None, attn_impl="xla", mesh=None,
-               cache_dtype=None):
-    from jetspec_jax.decode.generation import SamplingConfig
+               cache_dtype=None, drafter: Drafter = head_drafter, transfer_guard: str | None = None,
+               on_fetch: Callable[[tuple[jax.Array, ...]], None] | None = None):
+    from jetspec_jax.decode.generation import TRANSFER_GUARDS, SamplingConfig
     from jetspec_jax.decode.loop import resolve_eos
+    if transfer_guard is not None and transfer_guard not in TRANSFER_GUARDS:
+      raise JetSpecError(f"transfer_guard {transfer_guard!r} is not one of {', '.join(TRANSFER_GUARDS)}")
     if (head_cfg is None) != (plan.tree is None):
       raise JetSpecError("a speculative engine needs both a draft head and a tree (plan.tree); AR needs neither")
     plan.validate(mesh)
@@ -610,7 +721,8 @@ class Engine:
     if plan.per_request_sampling:          # sampled requests take the rule even when the default is greedy
       self.sampling = dataclasses.replace(self.sampling, accept=given.accept)
     self.eos = resolve_eos(target_cfg, eos_ids)
-    self.attn_impl, self.mesh = attn_impl, mesh
+    self.attn_impl, self.mesh, self.drafter = attn_impl, mesh, drafter
+    self.transfer_guard, self.on_fetch = transfer_guard, on_fetch
     self.cache_dtype = cache_dtype or target_params["embed"].dtype
     self.state = None
     self._next_id = 0
@@ -637,9 +749,12 @@ class Engine:
     return self.head_cfg is not None
 
   def start(self) -> None:
-    """A fresh engine state: free slots, empty queues."""
-    draft_dtype = None if self.head_params is None else self.head_params["fc"].dtype
-    self.state = init_state(self.plan, self.cfg, self.head_cfg, self.cache_dtype, draft_dtype, self.mesh)
+    """A fresh engine state: free slots, empty queues (the previous state's caches reused in place)."""
+    if self.state is not None:
+      self.state = reset(self.state)
+    else:
+      draft_dtype = None if self.head_params is None else self.head_params["fc"].dtype
+      self.state = init_state(self.plan, self.cfg, self.head_cfg, self.cache_dtype, draft_dtype, self.mesh)
     self._entries = [dict() for _ in range(self.plan.groups)]
     self._next_id = 0
 
@@ -696,7 +811,8 @@ class Engine:
   def _run_kwargs(self) -> dict:
     s = self.sampling
     return dict(plan=self.plan, cfg=self.cfg, head_cfg=self.head_cfg, eos_ids=self.eos, temperature=s.temperature,
-                top_k=s.top_k, top_p=s.top_p, accept=s.accept, attn_impl=self.attn_impl, mesh=self.mesh)
+                top_k=s.top_k, top_p=s.top_p, accept=s.accept, attn_impl=self.attn_impl, mesh=self.mesh,
+                drafter=self.drafter)
 
   def lower(self, rounds: int = 1 << 30) -> jax.stages.Lowered:
     """The program ``step`` runs, lowered (neither run nor donated)."""
@@ -709,7 +825,12 @@ class Engine:
     last step, their queue entries freed for new requests."""
     if self.state is None:
       self.start()
-    self.state = run_rounds(self.params, self.head_params, self.state, jnp.int32(rounds), **self._run_kwargs())
+    call = lambda: run_rounds(self.params, self.head_params, self.state, jnp.int32(rounds), **self._run_kwargs())
+    if self.transfer_guard is None:
+      self.state = call()
+    else:
+      with jax.transfer_guard_device_to_host(self.transfer_guard):
+        self.state = jax.block_until_ready(call())
     status = np.asarray(host_values(self.state.queue.status))
     done = [(g, e) for g in range(self.plan.groups) for e in np.flatnonzero(status[g] == FINISHED)
             if e in self._entries[g]]
@@ -717,14 +838,17 @@ class Engine:
       return []
     q = self.state.queue
     g_idx, e_idx = np.asarray([g for g, _ in done]), np.asarray([e for _, e in done])
-    fetched = host_values((q.tokens, q.num_tokens, q.steps, q.depth_hist, q.admitted, q.first, q.finished))
-    fetched = [a[g_idx, e_idx] for a in fetched]
-    tokens, num, steps, hist, admitted, first, finished = fetched
+    arrays = (q.tokens, q.num_tokens, q.steps, q.depth_hist, q.depth_visits, q.rank_hits, q.rank_mass, q.admitted,
+              q.first, q.finished)
+    if self.on_fetch is not None:
+      self.on_fetch(arrays)
+    fetched = [a[g_idx, e_idx] for a in host_values(arrays)]
+    tokens, num, steps, hist, visits, hits, mass, admitted, first, finished = fetched
     out = []
     for i, (g, e) in enumerate(done):
       out.append(RequestResult(id=self._entries[g].pop(e), tokens=tokens[i, :num[i]].tolist(), steps=int(steps[i]),
-                               depth_histogram=hist[i], admitted=int(admitted[i]), first=int(first[i]),
-                               finished=int(finished[i])))
+                               depth_histogram=hist[i], depth_visits=visits[i], rank_hits=hits[i], rank_mass=mass[i],
+                               admitted=int(admitted[i]), first=int(first[i]), finished=int(finished[i])))
     self.state = release(self.state, jnp.asarray(g_idx), jnp.asarray(e_idx))
     return out
 
@@ -759,7 +883,7 @@ class Engine:
     ids = self.submit(requests)
     results = {r.id: r for r in self.step()}
     wall = time.perf_counter() - t0
-    rounds, busy = (int(x) for x in host_values((self.state.round, self.state.busy)))
+    rounds, busy = (int(np.sum(x)) for x in host_values((self.state.round, self.state.busy)))
     return EngineRun(results=[results[i] for i in ids], rounds=rounds, busy_slot_rounds=busy, slots=self.plan.slots,
                      wall_s=wall)
 

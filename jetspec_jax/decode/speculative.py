@@ -53,8 +53,9 @@ class TreeConfig:
   For the methods of ``tree.PROFILE_METHODS``: ``profile`` (an ``AcceptanceProfile``; ``static`` needs
   one), ``cap_threshold`` (rank_caps), and for ``calibrated`` ``prior_strength`` (pseudo-rounds that
   pull the calibration towards the draft) and ``online``: "off" (the profile's counts alone), "batch"
-  (plus the counts of every sequence of the batch) or "sequence" (plus each sequence's own): the
-  counts of this generation's rounds so far, kept on device in the loop state (``SpecState``)."""
+  (plus the counts of every request decoding now: the batch of a static loop, the requests holding the engine's
+  slots) or "sequence" (plus each request's own): counts of their rounds so far, kept on device in the loop
+  state."""
   method: str = "accum_logp"
   budget: int = 16
   width: int = 7
@@ -139,21 +140,38 @@ def observe_ranks(tree, acc, new: jax.Array, active: jax.Array):
   return observed.astype(jnp.int32), hits.astype(jnp.int32), mass
 
 
-# A drafter maps (target params, head params, state) -> (per-depth logits [B, D, V], draft cache).
+@flax.struct.dataclass
+class DraftView:
+  """What a drafter sees of a round, per sequence b: the target's cache (rows < prefix_len[b] committed), the
+  head's context cache, the anchor ``last_token`` [B] (committed, not yet cached) and the round's keys [B] (the
+  tree's Gumbel noise is ``sampling.draft_gumbel(keys, D, V)``)."""
+  cache: qwen3.KVCache
+  draft_cache: qwen3.KVCache
+  last_token: jax.Array
+  prefix_len: jax.Array
+  keys: jax.Array
+
+
+# A drafter maps (target params, head params, DraftView) -> (per-depth logits [B, D, V], draft cache); keyword
+# arguments cfg, head_cfg, tree_cfg, attn_impl, mesh. Hashable: it is a static argument of the compiled loops.
 Drafter = Callable[..., tuple[jax.Array, qwen3.KVCache]]
 
 
 def round_keys(state: SpecState) -> jax.Array:
-  """Per-sequence keys [B] of the round about to run on ``state`` (the tree's Gumbel noise is
-  ``sampling.draft_gumbel(round_keys(state), D, V)``)."""
+  """Per-sequence keys [B] of the round about to run on ``state``."""
   return sampling.step_keys(state.base.key, state.base.steps + 1)
 
 
-def head_drafter(target_params, head_params, state: SpecState, *, cfg, head_cfg, tree_cfg, attn_impl, mesh):
+def draft_view(state: SpecState) -> DraftView:
+  return DraftView(cache=state.base.cache, draft_cache=state.draft_cache, last_token=state.base.last_token,
+                   prefix_len=state.base.prefix_len, keys=round_keys(state))
+
+
+def head_drafter(target_params, head_params, view: DraftView, *, cfg, head_cfg, tree_cfg, attn_impl, mesh):
   """The JetSpec head: per-depth logits of the block [last_token, mask...] after the context."""
   head = draft_head.bind(head_cfg, head_params)
-  return head.draft_logits(qwen3.bind(cfg, target_params), state.draft_cache, state.base.prefix_len,
-                           state.base.last_token, tree_cfg.depth, attn_impl, mesh)
+  return head.draft_logits(qwen3.bind(cfg, target_params), view.draft_cache, view.prefix_len, view.last_token,
+                           tree_cfg.depth, attn_impl, mesh)
 
 
 @functools.partial(jax.jit, static_argnames=("head_cfg",), donate_argnames=("draft_cache",))
@@ -229,7 +247,7 @@ def spec_decode(target_params, head_params, state: SpecState, *, cfg: Qwen3Confi
     active = ~b.done
     # Named scopes (jetspec_<phase>) label each phase's kernels in a profile (bench/gpu_check.py).
     with jax.named_scope("jetspec_draft"):
-      depth_logits, draft_cache = drafter(target_params, head_params, s, cfg=cfg, head_cfg=head_cfg,
+      depth_logits, draft_cache = drafter(target_params, head_params, draft_view(s), cfg=cfg, head_cfg=head_cfg,
                                           tree_cfg=tree_cfg, attn_impl=attn_impl, mesh=mesh)
     keys = round_keys(s)
     if temperature:                          # sampling's per-row sorts want whole rows (sharding.whole_vocab)

@@ -59,9 +59,11 @@ class PackedRows:
   data shard). The first K are the group's chosen decode rows, laid out for attention as [B, W] (B = G *
   slots_per_group sequences of W rows): packed row (g, k) is row ``node[g, k]`` of sequence g *
   slots_per_group + ``slot[g, k]`` (slot == slots_per_group: padding, dropped). Then L prefill lanes of C =
-  ``lane_rows`` consecutive rows each: lane (g, l) continues sequence ``lane_slot[g, l]`` (slots_per_group:
-  an idle lane) from cache row ``lane_start[g, l]``, causally. ``key_len`` (None: all): attention reads only
-  the cache's first key_len rows (the caller guarantees no row sees past them)."""
+  ``lane_rows`` consecutive prompt rows each: lane (g, l) continues sequence ``lane_slot[g, l]`` (slots_per_group:
+  an idle lane) at cache row ``lane_start[g, l]``, causally; one sequence may hold several lanes (consecutive
+  chunks of its prompt). Every row's keys and values are written in place at its own cache row; nothing else of
+  the cache is touched. ``key_len`` (None: all): attention reads only the cache's first key_len rows (the caller
+  guarantees no row sees past them)."""
   slot: jax.Array                 # [G, K] int32
   node: jax.Array                 # [G, K] int32
   lane_slot: jax.Array            # [G, L] int32
@@ -88,18 +90,32 @@ class PackedRows:
   def by_group(self, x: jax.Array) -> jax.Array:
     return x.reshape((self.slot.shape[0], self.slots_per_group) + x.shape[1:])
 
+  @property
+  def num_lanes(self) -> int:
+    """Lanes per group L (0: a round without prompt rows)."""
+    return self.lane_slot.shape[1]
+
   def lane_sequences(self, x: jax.Array) -> jax.Array:
     """Per-sequence values [B, ...] -> the lanes' [G * L, ...] (an idle lane reads the group's last one)."""
     lane = jnp.minimum(self.lane_slot, self.slots_per_group - 1)
     out = jax.vmap(lambda xg, i: xg[i])(self.by_group(x), lane)
     return out.reshape((-1,) + out.shape[2:])
 
-  def set_lane_sequences(self, x: jax.Array, values: jax.Array) -> jax.Array:
-    """Write the lanes' [G * L, ...] back into per-sequence x [B, ...] (idle lanes write nothing)."""
-    groups, lanes = self.lane_slot.shape
-    vals = values.reshape((groups, lanes) + values.shape[1:])
-    out = jax.vmap(lambda xg, i, v: xg.at[i].set(v, mode="drop"))(self.by_group(x), self.lane_slot, vals)
+  def set_lane_sequences(self, x: jax.Array, values: jax.Array, keep: jax.Array | None = None) -> jax.Array:
+    """Write the lanes' [G * L, ...] into per-sequence x [B, ...]: idle lanes, and lanes where ``keep`` [G * L]
+    is False, write nothing (at most one written lane per sequence)."""
+    lane = self.lane_slot if keep is None else jnp.where(keep.reshape(self.lane_slot.shape), self.lane_slot,
+                                                         self.slots_per_group)
+    vals = values.reshape(lane.shape + values.shape[1:])
+    out = jax.vmap(lambda xg, i, v: xg.at[i].set(v, mode="drop"))(self.by_group(x), lane, vals)
     return out.reshape(x.shape)
+
+  def sum_lane_sequences(self, values: jax.Array) -> jax.Array:
+    """The lanes' [G * L] values summed per sequence -> [B] (0 for a sequence without lanes)."""
+    vals = values.reshape(self.lane_slot.shape)
+    out = jax.vmap(lambda i, v: jnp.zeros((self.slots_per_group,), v.dtype).at[i].add(v, mode="drop"))(
+        self.lane_slot, vals)
+    return out.reshape(-1)
 
   def split(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Packed [G, K + L * C, ...] -> (decode rows [G, K, ...], lane rows [G * L, C, ...])."""
@@ -107,27 +123,48 @@ class PackedRows:
     lanes = x[:, k:]
     return x[:, :k], lanes.reshape((-1, self.lane_rows) + x.shape[2:])
 
+  def decode_cache_rows(self, start: jax.Array) -> jax.Array:
+    """[G, K] the cache row of each packed decode row: start[sequence] + node (padding rows: any)."""
+    return self.gather(start[:, None] + jnp.arange(self.span, dtype=jnp.int32)[None, :])
+
+  def lane_cache_rows(self) -> tuple[jax.Array, jax.Array]:
+    """(sequence within the group [G, L * C], cache row [G, L * C]) of each lane row, in packed order."""
+    groups, lanes = self.lane_slot.shape
+    rows = self.lane_start[..., None] + jnp.arange(self.lane_rows, dtype=jnp.int32)
+    seq = jnp.broadcast_to(self.lane_slot[..., None], rows.shape)
+    return seq.reshape(groups, -1), rows.reshape(groups, -1)
+
+  def put_rows(self, cache: jax.Array, rows: jax.Array, seq: jax.Array, at: jax.Array) -> jax.Array:
+    """Write rows [G, R, Hkv, Dh] into ``cache`` [B, Hkv, S, Dh] in place: row r of group g at cache row at[g, r]
+    of the group's sequence seq[g, r] (seq == slots_per_group: dropped)."""
+    def one(cg, rg, sg, ag):
+      return cg.at[sg, :, ag].set(rg.astype(cg.dtype), mode="drop")
+    return jax.vmap(one)(self.by_group(cache), rows, seq, at).reshape(cache.shape)
+
 
 def _attend_packed(packed: PackedRows, kv, start, block_mask, q, k, v, impl, mesh):
-  """``cached_attention`` for packed rows: decode rows in the [B, W] layout over the whole cache, then each
-  lane over its sequence's cache rows (gathered, extended, written back)."""
+  """``cached_attention`` for packed rows: every row's keys and values written at its own cache row, then the
+  decode rows attend in the [B, W] layout and each lane over its sequence's cache rows (read, never copied back)."""
   heads_last = lambda x: x.transpose(0, 2, 1, 3)                      # [G, Hkv, K, Dh] <-> [G, K, Hkv, Dh]
   q_d, q_l = packed.split(q)
-  (k_d, k_l), (v_d, v_l) = packed.split(heads_last(k)), packed.split(heads_last(v))
-  k_cache = write_rows(kv[0], heads_last(packed.scatter(k_d)), start)
-  v_cache = write_rows(kv[1], heads_last(packed.scatter(v_d)), start)
+  k_d, v_d = heads_last(k)[:, :packed.slot.shape[1]], heads_last(v)[:, :packed.slot.shape[1]]
+  dec_at = packed.decode_cache_rows(start)
+  k_cache = packed.put_rows(kv[0], k_d, packed.slot, dec_at)
+  v_cache = packed.put_rows(kv[1], v_d, packed.slot, dec_at)
   keys = slice(None, packed.key_len)
   out = packed.gather(attention(packed.scatter(q_d), k_cache[:, :, keys], v_cache[:, :, keys], start, block_mask,
                                 impl=impl, mesh=mesh))
-  if packed.lane_slot.shape[1]:
-    lane_start = packed.lane_start.reshape(-1)
-    lane_k = write_rows(packed.lane_sequences(k_cache), heads_last(k_l), lane_start)
-    lane_v = write_rows(packed.lane_sequences(v_cache), heads_last(v_l), lane_start)
+  if packed.num_lanes:
+    groups, k_rows = packed.slot.shape
+    lane_kv = lambda x: heads_last(x)[:, k_rows:]                      # [G, L * C, Hkv, Dh]
+    seq, at = packed.lane_cache_rows()
+    k_cache = packed.put_rows(k_cache, lane_kv(k), seq, at)
+    v_cache = packed.put_rows(v_cache, lane_kv(v), seq, at)
     rows = packed.lane_rows
     causal = jnp.broadcast_to(jnp.tril(jnp.ones((rows, rows), bool)), (q_l.shape[0], rows, rows))
-    lane_out = attention(q_l, lane_k[:, :, keys], lane_v[:, :, keys], lane_start, causal, impl=impl, mesh=mesh)
-    k_cache, v_cache = packed.set_lane_sequences(k_cache, lane_k), packed.set_lane_sequences(v_cache, lane_v)
-    out = jnp.concatenate([out, lane_out.reshape((out.shape[0], -1) + lane_out.shape[2:])], axis=1)
+    lane_out = attention(q_l, packed.lane_sequences(k_cache[:, :, keys]), packed.lane_sequences(v_cache[:, :, keys]),
+                         packed.lane_start.reshape(-1), causal, impl=impl, mesh=mesh)
+    out = jnp.concatenate([out, lane_out.reshape((groups, -1) + lane_out.shape[2:])], axis=1)
   return out, (k_cache, v_cache)
 
 

@@ -56,14 +56,15 @@ def turn_positions(messages: Conversation) -> list[int]:
 def generate_batches(params, cfg, prompts: Sequence[Sequence[int]], *, batch_size: int, max_new_tokens: int,
                      eos_ids: tuple[int, ...], temperature: float, key: jax.Array, mesh=None, attn_impl="xla",
                      prefill_chunk: int | None = None, on_batch=lambda tokens: None) -> list[list[int]]:
-  """Generated ids (EOS included when hit) for each prompt, as one AR ``Generator`` call per prompt would give.
+  """Generated ids (EOS included when hit) for each prompt: each its own AR generation.
 
   The prompts run through the continuous-batching engine (``decode.engine``) with ``batch_size`` slots (a
   multiple of the mesh's data axis): a finished response frees its slot for the next prompt at once.
   Prompt i of the length-sorted order samples with fold_in(fold_in(key, i // batch_size), i % batch_size),
   the key its row had in the static batches this replaced. Prompts are prefilled ``prefill_chunk`` rows per
-  round (default 64). ``on_batch(generated_tokens)`` is called as responses finish.
+  lane and round (default 64; 0: a whole prompt). ``on_batch(generated_tokens)`` is called as responses finish.
   """
+  from jetspec_jax.attention import cache_rows
   from jetspec_jax.decode.engine import Engine, Request
   data = 1 if mesh is None else mesh.shape["data"]
   slots = -(-batch_size // data) * data
@@ -71,8 +72,9 @@ def generate_batches(params, cfg, prompts: Sequence[Sequence[int]], *, batch_siz
   requests = [Request(list(prompts[i]), max_new_tokens,
                       key=jax.random.fold_in(jax.random.fold_in(key, n // batch_size), n % batch_size))
               for n, i in enumerate(order)]
+  rows = cache_rows(max(len(p) for p in prompts)) if prefill_chunk == 0 else (prefill_chunk or 64)
   engine = Engine.for_requests(cfg, params, requests, slots=slots, groups=data, lanes=data,
-                               prefill_rows=prefill_chunk or 64, eos_ids=eos_ids, mesh=mesh, attn_impl=attn_impl,
+                               prefill_rows=rows, eos_ids=eos_ids, mesh=mesh, attn_impl=attn_impl,
                                sampling_cfg=SamplingConfig(temperature=temperature))
   engine.start()
   engine.submit(requests)

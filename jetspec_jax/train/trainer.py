@@ -145,14 +145,20 @@ def eval_tree(ec: ml_collections.ConfigDict, head_cfg):
 
 def evaluate_tau(target_params, target_cfg, head_params, head_cfg, prompts, tree, max_new_tokens, compute_dtype,
                  mesh=None) -> dict:
-  """tau and tokens/s of the current head on held-out prompts with ``tree`` (greedy speculative decoding over
-  the training mesh; in a multi-process run every process runs it on the same prompts)."""
-  from jetspec_jax.decode.generation import Generator, acceptance
+  """tau and tokens/s of the current head on held-out prompts with ``tree`` (greedy speculative decoding on the
+  engine, a slot per prompt, over the training mesh; in a multi-process run every process runs it on the same
+  prompts). tokens/s counts the prefill."""
+  from jetspec_jax.attention import cache_rows
+  from jetspec_jax.decode.engine import Engine, Request, acceptance
   params = jax.tree_util.tree_map(lambda x: x.astype(compute_dtype), head_params)
-  out = Generator(target_cfg, target_params, head_cfg=head_cfg, head_params=params, tree=tree,
-                  mesh=mesh).generate(prompts, max_new_tokens)
-  acc = acceptance([out])
-  return {"eval_tau": acc["tau"], "eval_tokens_per_s": int(out.num_tokens.sum()) / max(out.decode_s, 1e-9),
+  groups = 1 if mesh is None else mesh.shape["data"]
+  requests = [Request(list(p), max_new_tokens) for p in prompts]
+  engine = Engine.for_requests(target_cfg, target_params, requests, slots=-(-len(prompts) // groups) * groups,
+                               groups=groups, prefill_rows=cache_rows(max(len(p) for p in prompts)), tree=tree,
+                               head_cfg=head_cfg, head_params=params, mesh=mesh)
+  run = engine.run(requests)
+  acc = acceptance(run.results)
+  return {"eval_tau": acc["tau"], "eval_tokens_per_s": sum(len(r.tokens) for r in run.results) / max(run.wall_s, 1e-9),
           "eval_acceptance_d1": acc["acceptance_by_depth"][0] if acc["acceptance_by_depth"] else 0.0}
 
 
