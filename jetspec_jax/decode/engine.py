@@ -95,6 +95,11 @@ class EnginePlan:
     return 1 if self.tree is None else self.tree.num_nodes()
 
   @property
+  def budget_binds(self) -> bool:
+    """Whether a round can offer more decode rows than it keeps (else every offered row is verified, unranked)."""
+    return self.group_rows < self.slots // self.groups * self.nodes
+
+  @property
   def prefill_budget(self) -> int:
     """Prompt rows per round over all groups: lanes x prefill_rows."""
     return self.lanes * self.prefill_rows
@@ -421,6 +426,8 @@ def engine_round(target_params, head_params, s: EngineState, *, plan: EnginePlan
               shape_logp = jnp.where((t <= 0)[:, None, None], tree.candidate_logp, shape_logp)
           if draft_logp is None and rows:
             draft_logp = jnp.zeros(logits.shape, jnp.float32)
+          if not plan.budget_binds:            # every offered node is kept: no scores to rank them by
+            return tree, draft_logp, jnp.zeros(tree.tokens.shape, jnp.float32)
           return tree, draft_logp, budget.node_scores(tree, budget.rank_scores(shape_logp, tree_cfg, (hits, mass)))
 
         if not rows:
@@ -436,8 +443,13 @@ def engine_round(target_params, head_params, s: EngineState, *, plan: EnginePlan
     priority = jnp.where(decoding[:, None], node_priority, -jnp.inf)
 
   with jax.named_scope("jetspec_budget"):
-    pack = functools.partial(budget.pack, rows=k_per, slots_per_group=per, span=n)
-    slot, node, live, index = per_data_shard(pack, mesh)(priority.reshape(plan.groups, per * n))
+    if plan.budget_binds:
+      pack = functools.partial(budget.pack, rows=k_per, slots_per_group=per, span=n)
+      slot, node, live, index = per_data_shard(pack, mesh)(priority.reshape(plan.groups, per * n))
+    else:                                     # every offered row is kept, in the [B, N] layout's own order
+      live = priority.reshape(plan.groups, per * n) > -jnp.inf
+      index = jnp.broadcast_to(jnp.arange(per * n, dtype=jnp.int32), live.shape)
+      slot, node = jnp.where(live, index // n, per).astype(jnp.int32), index % n
     if prefill:
       lane_slot, lane_start, lane_tokens = _lanes(s, plan, prefilling, mesh)
     else:
