@@ -275,7 +275,7 @@ def engine_case(name: str, c: ml_collections.ConfigDict, target: Qwen3Config, co
   nodes each verified whole, one prefill lane of 64 rows, bf16, mesh 1 x devices. ``sampling``: "greedy" /
   "sampled" (Qwen3's 0.6 / 20 / 0.95, rejection) compiled in, or "per_request" (``per_request_sampling``)."""
   from jetspec_jax.decode import engine
-  from jetspec_jax.decode.generation import SamplingConfig
+  from jetspec_jax.decode.sampling import SamplingConfig
   mesh = make_mesh(1, len(devices), devices)
   head_cfg = trainer.build_head_config(c, target, None)
   tree = speculative.TreeConfig("best_nodes", 16, 7, head_cfg.depth)

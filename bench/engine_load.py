@@ -27,7 +27,8 @@ from jetspec_jax import bench, convert, load
 from jetspec_jax.decode import planner
 from jetspec_jax.decode.agreement import compare
 from jetspec_jax.decode.engine import Engine, EnginePlan
-from jetspec_jax.decode.generation import Generator, SamplingConfig
+from jetspec_jax.decode.generation import Generator
+from jetspec_jax.decode.sampling import SamplingConfig
 from jetspec_jax.decode.speculative import TreeConfig
 from jetspec_jax.tokenizer import load_tokenizer
 

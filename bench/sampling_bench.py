@@ -30,7 +30,8 @@ import numpy as np
 from jetspec_jax.bench import format_table, machine_info, median, save_results
 from jetspec_jax.decode.generation import acceptance
 from jetspec_jax.config import Qwen3Config
-from jetspec_jax.decode.generation import Generator, SamplingConfig
+from jetspec_jax.decode.generation import Generator
+from jetspec_jax.decode.sampling import SamplingConfig
 from jetspec_jax.decode.speculative import TreeConfig
 from jetspec_jax.decode.tree import TREE_METHODS
 from jetspec_jax.errors import JetSpecError

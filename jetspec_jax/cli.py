@@ -132,7 +132,7 @@ def _tree_options(args) -> dict:
 def _sampling(args, side: str):
   """(SamplingConfig, where each of temperature / top_k / top_p came from) of generate's and serve's flags."""
   from jetspec_jax.config import GENERATION_CONFIG, load_generation_defaults
-  from jetspec_jax.decode.generation import SamplingConfig
+  from jetspec_jax.decode.sampling import SamplingConfig
   given = {k: getattr(args, k) for k in ("temperature", "top_k", "top_p") if getattr(args, k) is not None}
   hf = load_generation_defaults(side).sampling() if args.sampling_defaults == "hf" else {}
   settings = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, **hf, **given}
@@ -171,7 +171,7 @@ def cmd_generate(args) -> dict:
   from jetspec_jax.config import GENERATION_CONFIG
   from jetspec_jax.attention import cache_rows
   from jetspec_jax.decode.engine import Engine, Request, acceptance
-  from jetspec_jax.decode.loop import prefill_chunk
+  from jetspec_jax.decode.engine import prefill_chunk
   if args.max_new_tokens < 1:
     raise JetSpecError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
   impl = _attention(args)

@@ -13,7 +13,7 @@ from jetspec_jax import sharding
 from jetspec_jax.bench import HOST_OPS
 from jetspec_jax.decode import reference
 from jetspec_jax.decode.engine import Engine, EnginePlan, Request
-from jetspec_jax.decode.generation import SamplingConfig
+from jetspec_jax.decode.sampling import SamplingConfig
 from jetspec_jax.decode.profile import AcceptanceProfile
 from jetspec_jax.decode.speculative import TreeConfig
 from jetspec_jax.errors import JetSpecError

@@ -10,7 +10,8 @@ from jetspec_jax.bench import HOST_OPS
 from greedy import assert_agree
 from jetspec_jax.decode.generation import acceptance
 from jetspec_jax.config import Qwen3Config
-from jetspec_jax.decode.generation import Generator, SamplingConfig
+from jetspec_jax.decode.generation import Generator
+from jetspec_jax.decode.sampling import SamplingConfig
 from jetspec_jax.decode.speculative import TreeConfig
 from jetspec_jax.errors import JetSpecError
 from jetspec_jax.models import draft_head, qwen3

@@ -10,7 +10,7 @@ import pytest
 
 from jetspec_jax import sharding
 from jetspec_jax.decode.engine import Engine, EnginePlan, Request
-from jetspec_jax.decode.generation import SamplingConfig
+from jetspec_jax.decode.sampling import SamplingConfig
 from jetspec_jax.decode.speculative import TreeConfig
 from jetspec_jax.errors import JetSpecError
 from jetspec_jax.models import draft_head, qwen3

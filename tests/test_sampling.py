@@ -28,7 +28,8 @@ import hf_fixtures
 from jetspec_jax.config import Qwen3Config
 from jetspec_jax.decode import sampling, speculative
 from jetspec_jax.decode.generation import acceptance
-from jetspec_jax.decode.generation import Generator, SamplingConfig
+from jetspec_jax.decode.generation import Generator
+from jetspec_jax.decode.sampling import SamplingConfig
 from jetspec_jax.decode.loop import prefill
 from jetspec_jax.decode.profile import AcceptanceProfile
 from jetspec_jax.decode.prompts import batch_prompts

@@ -26,7 +26,8 @@ import pytest
 from jetspec_jax import convert, serve
 from jetspec_jax.config import Qwen3Config
 from jetspec_jax.decode.engine import Engine, EnginePlan, Request
-from jetspec_jax.decode.generation import Generator, SamplingConfig
+from jetspec_jax.decode.generation import Generator
+from jetspec_jax.decode.sampling import SamplingConfig
 from jetspec_jax.decode.speculative import TreeConfig
 from jetspec_jax.driver import Driver
 from jetspec_jax.models import draft_head, qwen3

@@ -185,7 +185,7 @@ def test_chunked_prefill_equals_one_forward(chunk):
 
 
 def test_prefill_chunk_bounds_the_scores():
-  from jetspec_jax.decode.loop import PREFILL_SCORE_BYTES, prefill_chunk
+  from jetspec_jax.decode.engine import PREFILL_SCORE_BYTES, prefill_chunk
   # Qwen3-8B regeneration: 8 prompts of 8192 tokens, 1024 new, 32 query heads: 8 * 32 * 9216 * 4 bytes per row
   assert prefill_chunk(8, 32, 8192, 9216) == 64
   assert 8 * 32 * 64 * 9216 * 4 <= PREFILL_SCORE_BYTES < 8 * 32 * 128 * 9216 * 4

@@ -50,7 +50,7 @@ from jetspec_jax.attention import cache_rows
 from jetspec_jax.config import Qwen3Config
 from jetspec_jax.distributed import host_values
 from jetspec_jax.decode import budget, sampling, verify
-from jetspec_jax.decode.loop import commit_tokens
+from jetspec_jax.decode.sampling import SamplingConfig
 from jetspec_jax.decode.speculative import (DraftView, Drafter, TreeConfig, build_round_tree, head_drafter,
                                             observe_ranks)
 from jetspec_jax.errors import JetSpecError
@@ -60,7 +60,34 @@ from jetspec_jax.models.layers import PackedRows
 from jetspec_jax.sharding import per_data_shard, whole_vocab
 
 EMPTY, QUEUED, RUNNING, FINISHED = 0, 1, 2, 3     # queue entry status
-KEY_SHAPE = jax.random.key_data(jax.random.key(0)).shape
+TRANSFER_GUARDS = ("allow", "log", "disallow", "log_explicit", "disallow_explicit")
+
+
+def key_shape() -> tuple[int, ...]:
+  """The shape of one PRNG key's data (computed on first use: nothing runs on a device at import)."""
+  return jax.random.key_data(jax.random.key(0)).shape
+
+
+PREFILL_SCORE_BYTES = 1 << 30    # per device and layer: the attention scores one prefill chunk may hold
+
+
+def prefill_chunk(batch: int, heads: int, prompt_width: int, cache_len: int, mesh=None,
+                  budget: int = PREFILL_SCORE_BYTES) -> int:
+  """The prefill chunk (query rows per forward) that keeps one layer's float32 attention scores
+  [B, H, chunk, cache_len] within ``budget`` bytes per device: 0 (the whole prompt in one forward) when
+  it fits, else the largest power of two that does (at least 16). Batch and heads count per device."""
+  if mesh is not None:
+    data, model = mesh.shape["data"], mesh.shape["model"]
+    batch, heads = -(-batch // data), -(-heads // model) if heads % model == 0 else heads
+  per_row = batch * heads * cache_len * 4
+  if prompt_width * per_row <= budget:
+    return 0
+  return max(16, 1 << max(int(budget // per_row).bit_length() - 1, 0))
+
+
+def resolve_eos(cfg: Qwen3Config, eos_ids) -> tuple[int, ...]:
+  """Explicit EOS ids, or the config's (empty tuple: never stop early)."""
+  return tuple(int(e) for e in (cfg.eos_token_ids if eos_ids is None else eos_ids))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,14 +233,14 @@ def init_state(plan: EnginePlan, cfg: Qwen3Config, head_cfg: DraftConfig | None,
   zi = lambda *shape: jnp.zeros(shape, jnp.int32)
   zf = lambda *shape: jnp.zeros(shape, jnp.float32)
   queue = Queue(prompt=zi(g, q, t), prompt_len=zi(g, q), max_new=zi(g, q),
-                key=jnp.zeros((g, q) + KEY_SHAPE, jnp.uint32), temperature=zf(g, q), top_k=zi(g, q),
+                key=jnp.zeros((g, q) + key_shape(), jnp.uint32), temperature=zf(g, q), top_k=zi(g, q),
                 top_p=zf(g, q) + 1, status=zi(g, q), seq=zi(g, q),
                 tokens=jnp.full((g, q, m), -1, jnp.int32), num_tokens=zi(g, q), steps=zi(g, q),
                 depth_hist=zi(g, q, d + 1), depth_visits=zi(g, q, d), rank_hits=zi(g, q, d, w),
                 rank_mass=zf(g, q, d, w), admitted=zi(g, q), first=zi(g, q), finished=zi(g, q))
   draft_cache = None if head_cfg is None else draft_head.init_context_cache(head_cfg, b, draft_len, draft_dtype, mesh)
   state = EngineState(queue=queue, entry=jnp.full((b,), -1, jnp.int32), seq=zi(b), prompt_len=zi(b), max_new=zi(b),
-                      key=jnp.zeros((b,) + KEY_SHAPE, jnp.uint32), temperature=zf(b), top_k=zi(b), top_p=zf(b) + 1,
+                      key=jnp.zeros((b,) + key_shape(), jnp.uint32), temperature=zf(b), top_k=zi(b), top_p=zf(b) + 1,
                       prefix_len=zi(b), last_token=zi(b),
                       tokens=jnp.full((b, m), -1, jnp.int32), num_tokens=zi(b), steps=zi(b), first=zi(b),
                       done=jnp.zeros((b,), bool),
@@ -542,13 +569,13 @@ def engine_round(target_params, head_params, s: EngineState, *, plan: EnginePlan
       correction = acc.correction
 
   with jax.named_scope("jetspec_commit"):
-    out, num, done_dec, appended = commit_tokens(s.tokens, s.num_tokens, ~decoding, new, count, eos_ids, s.max_new)
+    out, num, done_dec, appended = verify.commit_tokens(s.tokens, s.num_tokens, ~decoding, new, count, eos_ids, s.max_new)
     finished = decoding & done_dec
     prefix_len = s.prefix_len + jnp.where(decoding, appended, 0)
     last_token = jnp.where(decoding, correction, s.last_token)
     first_round = s.first
     if prefill:                               # prompts completed this round: their first tokens
-      out, num, done_first, _ = commit_tokens(out, num, ~completes, first[:, None], jnp.ones((b,), jnp.int32),
+      out, num, done_first, _ = verify.commit_tokens(out, num, ~completes, first[:, None], jnp.ones((b,), jnp.int32),
                                               eos_ids, s.max_new)
       finished = finished | (completes & done_first)
       prefix_len = prefix_len + consumed
@@ -698,6 +725,11 @@ class EngineRun:
     """Slot-rounds that held a request over all slot-rounds."""
     return self.busy_slot_rounds / max(self.rounds * self.slots, 1)
 
+  @property
+  def tokens(self) -> list[list[int]]:
+    """Each request's generated ids, in request order."""
+    return [r.tokens for r in self.results]
+
 
 class Engine:
   """Continuous batching over ``plan.slots`` slots (AR without a head, speculative with ``head_cfg``,
@@ -716,8 +748,6 @@ class Engine:
                sampling_cfg=None, eos_ids: Sequence[int] | None = None, attn_impl="xla", mesh=None,
                cache_dtype=None, drafter: Drafter = head_drafter, transfer_guard: str | None = None,
                on_fetch: Callable[[tuple[jax.Array, ...]], None] | None = None):
-    from jetspec_jax.decode.generation import TRANSFER_GUARDS, SamplingConfig
-    from jetspec_jax.decode.loop import resolve_eos
     if transfer_guard is not None and transfer_guard not in TRANSFER_GUARDS:
       raise JetSpecError(f"transfer_guard {transfer_guard!r} is not one of {', '.join(TRANSFER_GUARDS)}")
     if (head_cfg is None) != (plan.tree is None):
@@ -928,3 +958,18 @@ def check_requests(requests: Sequence[Request], cfg: Qwen3Config, plan: EnginePl
     if plan is not None and (n > plan.max_prompt or r.max_new_tokens > plan.max_new_tokens):
       raise JetSpecError(f"request {i}: a prompt of {n} tokens with max_new_tokens {r.max_new_tokens} does not fit "
                          f"a slot (at most {plan.max_prompt} prompt tokens and {plan.max_new_tokens} new tokens)")
+
+
+def generate(target_cfg: Qwen3Config, target_params: dict, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+             *, slots: int | None = None, prefill_rows: int | None = None, **kw) -> EngineRun:
+  """``prompts`` (token-id lists), each to at most ``max_new_tokens`` new tokens, through an engine of ``slots``
+  slots (default one per prompt) whose prefill lanes take the longest prompt whole in the round it is admitted
+  (``prefill_rows`` default); ``kw``: ``Engine.for_requests``' and ``Engine``'s (head_cfg, head_params, tree,
+  sampling_cfg, eos_ids, attn_impl, mesh, drafter, groups, rows, lanes, ...). A new engine per call (one
+  compile per plan); hold an ``Engine`` to run many batches."""
+  requests = [Request(list(p), max_new_tokens) for p in prompts]
+  check_requests(requests, target_cfg)
+  rows = cache_rows(max(len(p) for p in prompts)) if prefill_rows is None else prefill_rows
+  eng = Engine.for_requests(target_cfg, target_params, requests, slots=slots or len(requests), prefill_rows=rows,
+                            **kw)
+  return eng.run(requests)

@@ -18,42 +18,15 @@ import numpy as np
 
 from jetspec_jax.attention import cache_rows
 from jetspec_jax.config import Qwen3Config
-from jetspec_jax.decode import loop, sampling, speculative
+from jetspec_jax.decode import engine, loop, speculative
 from jetspec_jax.decode.profile import AcceptanceProfile
 from jetspec_jax.decode.prompts import batch_prompts
+from jetspec_jax.decode.sampling import SamplingConfig
 from jetspec_jax.decode.speculative import TreeConfig
 from jetspec_jax.distributed import host_values
 from jetspec_jax.errors import JetSpecError
 from jetspec_jax.models import draft_head, qwen3
 from jetspec_jax.models.draft_head import DraftConfig
-
-
-@dataclasses.dataclass(frozen=True)
-class SamplingConfig:
-  """How tokens are chosen. temperature 0: greedy (top_k, top_p and accept do not apply). Otherwise
-  the target's distribution after temperature, top_k (0 = off) and top_p (1 = off), see
-  ``decode.sampling``; speculative rounds accept by ``accept`` ("rejection" | "match"). Sequence b
-  draws from keys derived from ``seed`` and b, so results are reproducible."""
-  temperature: float = 0.0
-  top_k: int = 0
-  top_p: float = 1.0
-  accept: str = "rejection"
-  seed: int = 0
-
-  @property
-  def greedy(self) -> bool:
-    return self.temperature == 0.0
-
-  def resolved(self) -> "SamplingConfig":
-    """Validated, with the fields greedy decoding ignores set to their neutral values."""
-    sampling.validate_sampling(self.temperature, self.top_k, self.top_p, self.accept)
-    if self.greedy:
-      return SamplingConfig(0.0, 0, 1.0, "rejection", int(self.seed))
-    return SamplingConfig(float(self.temperature), int(self.top_k), float(self.top_p), self.accept, int(self.seed))
-
-  def describe(self) -> dict:
-    return {"temperature": self.temperature, "top_k": self.top_k, "top_p": self.top_p,
-            "accept": "greedy" if self.greedy else self.accept, "seed": self.seed}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,14 +69,11 @@ def acceptance_profile(results) -> AcceptanceProfile:
   return AcceptanceProfile.from_counts(total("depth_visits"), total("rank_hits"), total("rank_mass"))
 
 
-TRANSFER_GUARDS = ("allow", "log", "disallow", "log_explicit", "disallow_explicit")
-
-
 class Generator:
   """Generation with one target, and speculative when it has a draft head (``head_cfg``, ``head_params``,
   ``tree``). ``eos_ids`` None: the target config's; ``cache_dtype`` None: the target weights' dtype.
 
-  Instrumentation (for benchmarks and debugging): ``transfer_guard`` (one of ``TRANSFER_GUARDS``) runs every
+  Instrumentation (for benchmarks and debugging): ``transfer_guard`` (one of ``engine.TRANSFER_GUARDS``) runs every
   ``decode`` call, and waits for it, under ``jax.transfer_guard_device_to_host(transfer_guard)``;
   ``on_fetch(arrays)`` is called with the device arrays ``generate`` fetches to the host, just before."""
 
@@ -113,13 +83,13 @@ class Generator:
                attn_impl: str = "xla", mesh=None, cache_dtype=None,
                drafter: speculative.Drafter = speculative.head_drafter, transfer_guard: str | None = None,
                on_fetch: Callable[[tuple[jax.Array, ...]], None] | None = None, prefill_chunk: int | None = None):
-    if transfer_guard is not None and transfer_guard not in TRANSFER_GUARDS:
-      raise JetSpecError(f"transfer_guard {transfer_guard!r} is not one of {', '.join(TRANSFER_GUARDS)}")
+    if transfer_guard is not None and transfer_guard not in engine.TRANSFER_GUARDS:
+      raise JetSpecError(f"transfer_guard {transfer_guard!r} is not one of {', '.join(engine.TRANSFER_GUARDS)}")
     self.transfer_guard, self.on_fetch = transfer_guard, on_fetch
     self.cfg, self.params = target_cfg, target_params
     self.head_cfg, self.head_params = head_cfg, head_params
     self.sampling = sampling_cfg.resolved()
-    self.eos = loop.resolve_eos(target_cfg, eos_ids)
+    self.eos = engine.resolve_eos(target_cfg, eos_ids)
     self.attn_impl, self.mesh, self.drafter = attn_impl, mesh, drafter
     if prefill_chunk is not None and prefill_chunk < 0:
       raise JetSpecError(f"prefill_chunk must be >= 0 (0: the whole prompt in one forward), got {prefill_chunk}")
@@ -171,7 +141,7 @@ class Generator:
     if self.prefill_chunk is not None:
       return self.prefill_chunk if self.prefill_chunk < width else 0
     scratch = self.tree.num_nodes() + 1 if self.speculative else 0
-    return loop.prefill_chunk(batch, self.cfg.num_attention_heads, width, width + max_new_tokens + scratch, self.mesh)
+    return engine.prefill_chunk(batch, self.cfg.num_attention_heads, width, width + max_new_tokens + scratch, self.mesh)
 
   def _decode_call(self, state):
     """(jitted decode program, its positional and keyword arguments) for ``state``."""

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from jetspec_jax.config import Qwen3Config
 from jetspec_jax.decode.sampling import sample_tokens, sequence_keys, step_keys
 from jetspec_jax.models import qwen3
+from jetspec_jax.decode.verify import commit_tokens
 from jetspec_jax.sharding import whole_vocab
 
 
@@ -30,45 +31,6 @@ class DecodeState:
   done: jax.Array         # [B] bool: hit EOS or max_new_tokens
   key: jax.Array          # [B] per-sequence PRNG keys (fixed; step s draws from fold_in(key[b], s))
   steps: jax.Array        # [] int32: target forwards after prefill
-
-
-def commit_tokens(tokens, num_tokens, done, new, count, eos_ids: tuple[int, ...], max_new=None):
-  """Append new[b, :count[b]] to each unfinished sequence, cut after the first EOS and at max_new.
-
-  tokens [B, M], num_tokens [B], done [B], new [B, K], count [B]; max_new [B] (<= M) or None (M).
-  Returns (tokens, num_tokens, done, appended [B]); never writes past max_new or an EOS.
-  """
-  max_new = tokens.shape[1] if max_new is None else max_new
-  j = jnp.arange(new.shape[1])[None, :]
-  limit = jnp.minimum(count, max_new - num_tokens)
-  limit = jnp.where(done, 0, limit)
-  is_eos = jnp.isin(new, jnp.asarray(eos_ids, jnp.int32)) if eos_ids else jnp.zeros(new.shape, bool)
-  eos_hit = is_eos & (j < limit[:, None])
-  first_eos = jnp.argmax(eos_hit, axis=1)
-  any_eos = jnp.any(eos_hit, axis=1)
-  limit = jnp.where(any_eos, first_eos + 1, limit)
-  pos = jnp.where(j < limit[:, None], num_tokens[:, None] + j, tokens.shape[1])
-  tokens = jax.vmap(lambda t, p, v: t.at[p].set(v, mode="drop"))(tokens, pos, new)
-  num_tokens = num_tokens + limit
-  done = done | any_eos | (num_tokens >= max_new)
-  return tokens, num_tokens, done, limit
-
-
-PREFILL_SCORE_BYTES = 1 << 30    # per device and layer: the attention scores one prefill chunk may hold
-
-
-def prefill_chunk(batch: int, heads: int, prompt_width: int, cache_len: int, mesh=None,
-                  budget: int = PREFILL_SCORE_BYTES) -> int:
-  """The prefill chunk (query rows per forward) that keeps one layer's float32 attention scores
-  [B, H, chunk, cache_len] within ``budget`` bytes per device: 0 (the whole prompt in one forward) when
-  it fits, else the largest power of two that does (at least 16). Batch and heads count per device."""
-  if mesh is not None:
-    data, model = mesh.shape["data"], mesh.shape["model"]
-    batch, heads = -(-batch // data), -(-heads // model) if heads % model == 0 else heads
-  per_row = batch * heads * cache_len * 4
-  if prompt_width * per_row <= budget:
-    return 0
-  return max(16, 1 << max(int(budget // per_row).bit_length() - 1, 0))
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "max_new_tokens", "eos_ids", "temperature", "attn_impl",
@@ -149,8 +111,3 @@ def ar_decode(params, state: DecodeState, *, cfg: Qwen3Config, eos_ids: tuple[in
                        prefix_len=s.prefix_len + active.astype(jnp.int32), done=done, key=s.key, steps=s.steps + 1)
 
   return jax.lax.while_loop(lambda s: ~jnp.all(s.done), body, state)
-
-
-def resolve_eos(cfg: Qwen3Config, eos_ids) -> tuple[int, ...]:
-  """Explicit EOS ids, or the config's (empty tuple: never stop early)."""
-  return tuple(int(e) for e in (cfg.eos_token_ids if eos_ids is None else eos_ids))

@@ -23,6 +23,8 @@ rule above is the same, applied after a full-vocabulary sort (ties to the lower 
 """
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -139,3 +141,31 @@ def gumbel_top_k(log_probs: jax.Array, gumbel: jax.Array, k: int) -> jax.Array:
   order (Gumbel-top-k: the top-k of log_probs + Gumbel noise). Tokens with log-prob -inf only
   appear once the support is exhausted (they are never valid candidates)."""
   return jax.lax.top_k(log_probs + gumbel, k)[1].astype(jnp.int32)
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingConfig:
+  """How tokens are chosen. temperature 0: greedy (top_k, top_p and accept do not apply). Otherwise
+  the target's distribution after temperature, top_k (0 = off) and top_p (1 = off), see
+  ``decode.sampling``; speculative rounds accept by ``accept`` ("rejection" | "match"). Sequence b
+  draws from keys derived from ``seed`` and b, so results are reproducible."""
+  temperature: float = 0.0
+  top_k: int = 0
+  top_p: float = 1.0
+  accept: str = "rejection"
+  seed: int = 0
+
+  @property
+  def greedy(self) -> bool:
+    return self.temperature == 0.0
+
+  def resolved(self) -> "SamplingConfig":
+    """Validated, with the fields greedy decoding ignores set to their neutral values."""
+    validate_sampling(self.temperature, self.top_k, self.top_p, self.accept)
+    if self.greedy:
+      return SamplingConfig(0.0, 0, 1.0, "rejection", int(self.seed))
+    return SamplingConfig(float(self.temperature), int(self.top_k), float(self.top_p), self.accept, int(self.seed))
+
+  def describe(self) -> dict:
+    return {"temperature": self.temperature, "top_k": self.top_k, "top_p": self.top_p,
+            "accept": "greedy" if self.greedy else self.accept, "seed": self.seed}

@@ -33,7 +33,8 @@ import jax.numpy as jnp
 from jetspec_jax.attention import cache_rows
 from jetspec_jax.config import Qwen3Config
 from jetspec_jax.decode import sampling, verify
-from jetspec_jax.decode.loop import DecodeState, commit_tokens
+from jetspec_jax.decode.loop import DecodeState
+from jetspec_jax.decode.verify import commit_tokens
 from jetspec_jax.decode.profile import AcceptanceProfile
 from jetspec_jax.decode.tree import TREE_METHODS, build_tree, tree_size
 from jetspec_jax.errors import JetSpecError

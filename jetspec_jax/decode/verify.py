@@ -169,3 +169,25 @@ def compact_cache(cache: qwen3.KVCache, prefix_len: jax.Array, path: jax.Array) 
   rows = prefix_len[:, None] + path
   move = lambda c: write_rows(c, gather_rows(c, rows), prefix_len)
   return qwen3.KVCache(k=tuple(move(c) for c in cache.k), v=tuple(move(c) for c in cache.v))
+
+
+def commit_tokens(tokens, num_tokens, done, new, count, eos_ids: tuple[int, ...], max_new=None):
+  """Append new[b, :count[b]] to each unfinished sequence, cut after the first EOS and at max_new.
+
+  tokens [B, M], num_tokens [B], done [B], new [B, K], count [B]; max_new [B] (<= M) or None (M).
+  Returns (tokens, num_tokens, done, appended [B]); never writes past max_new or an EOS.
+  """
+  max_new = tokens.shape[1] if max_new is None else max_new
+  j = jnp.arange(new.shape[1])[None, :]
+  limit = jnp.minimum(count, max_new - num_tokens)
+  limit = jnp.where(done, 0, limit)
+  is_eos = jnp.isin(new, jnp.asarray(eos_ids, jnp.int32)) if eos_ids else jnp.zeros(new.shape, bool)
+  eos_hit = is_eos & (j < limit[:, None])
+  first_eos = jnp.argmax(eos_hit, axis=1)
+  any_eos = jnp.any(eos_hit, axis=1)
+  limit = jnp.where(any_eos, first_eos + 1, limit)
+  pos = jnp.where(j < limit[:, None], num_tokens[:, None] + j, tokens.shape[1])
+  tokens = jax.vmap(lambda t, p, v: t.at[p].set(v, mode="drop"))(tokens, pos, new)
+  num_tokens = num_tokens + limit
+  done = done | any_eos | (num_tokens >= max_new)
+  return tokens, num_tokens, done, limit

@@ -29,7 +29,7 @@ from typing import Sequence
 import jax
 from tqdm.auto import tqdm
 
-from jetspec_jax.decode.generation import SamplingConfig
+from jetspec_jax.decode.sampling import SamplingConfig
 from jetspec_jax.distributed import from_first_process
 from jetspec_jax.errors import JetSpecError
 from jetspec_jax.files import write_json, write_jsonl
