@@ -27,7 +27,6 @@ from jetspec_jax import bench, convert, load
 from jetspec_jax.decode import planner
 from jetspec_jax.decode.agreement import compare
 from jetspec_jax.decode.engine import Engine, EnginePlan
-from jetspec_jax.decode.generation import Generator
 from jetspec_jax.decode.sampling import SamplingConfig
 from jetspec_jax.decode.speculative import TreeConfig
 from jetspec_jax.tokenizer import load_tokenizer
@@ -58,9 +57,9 @@ def part1(cfg, params, tokenizer, args, say):
   requests = load.sharegpt_requests(tokenizer, args.requests)
   say(f"part 1: {len(requests)} ShareGPT requests, prompt mean {sum(len(r.prompt) for r in requests) / len(requests):.0f}"
       f" tokens, output mean {sum(r.max_new_tokens for r in requests) / len(requests):.0f}")
-  gen = Generator(cfg, params, eos_ids=())
-  load.run_static(gen, requests[:16], 16)                                   # compile
-  static = load.run_static(gen, requests, 16)
+  static_engine = engine_for(cfg, params, requests, 16, lanes=4, prefill_rows=256)   # a batch's prompts in few rounds
+  load.run_static(static_engine, requests[:16])                             # compile
+  static = load.run_static(static_engine, requests)
   say(f"static: {static['tokens_per_s']:.0f} tokens/s, occupancy {static['occupancy']:.3f}")
   engine = engine_for(cfg, params, requests, 16, key_buckets=args.key_buckets)
   runs = {}

@@ -11,9 +11,9 @@ The engine runs in segments of ``segment_rounds`` rounds; between segments the h
 requests that have arrived and collects the finished ones, as a server would. A request's first
 token is visible at the end of the segment that drew it (TTFT counts from its arrival to then), its
 last at the end of the segment that finished it; TPOT is the time between the two over (tokens - 1)
-(wall times at segment resolution). The static baseline runs the same requests
-through ``Generator`` in arrival-order batches of the slot count, each to its batch's longest
-``max_new_tokens``: what the project did before the engine.
+(wall times at segment resolution). The static baseline runs the same requests in arrival-order batches
+of the slot count, each batch admitted at once and run to its longest ``max_new_tokens`` before the next
+starts (an engine run per batch): what static batching does.
 """
 from __future__ import annotations
 
@@ -120,22 +120,24 @@ def run_engine(engine: Engine, requests: Sequence[Request], *, rate: float | Non
           "latency_s": percentiles(r["latency_s"] for r in rows), "rate": rate, "segment_rounds": segment_rounds}
 
 
-def run_static(generator, requests: Sequence[Request], batch: int) -> dict:
-  """The static-batch baseline (module docstring): useful tokens (each request's own max_new_tokens, cut at
-  EOS) per second, and its occupancy (useful slot-steps over batch x steps)."""
+def run_static(engine: Engine, requests: Sequence[Request]) -> dict:
+  """The static-batch baseline (module docstring) in batches of ``engine.plan.slots``: useful tokens (each
+  request's own max_new_tokens, cut at EOS) per second, and its occupancy (useful slot-rounds over slots x
+  rounds)."""
+  batch = engine.plan.slots
   t0 = time.perf_counter()
-  useful, slot_steps, outputs = 0, 0, []
+  useful, slot_rounds, outputs = 0, 0, []
   for i in range(0, len(requests), batch):
     chunk = requests[i:i + batch]
     longest = max(r.max_new_tokens for r in chunk)
-    res = generator.generate([r.prompt for r in chunk], longest)
-    for r, toks in zip(chunk, res.tokens):
+    run = engine.run([Request(r.prompt, longest) for r in chunk])
+    for r, toks in zip(chunk, run.tokens):
       outputs.append(toks[:r.max_new_tokens])
     useful += sum(len(t) for t in outputs[-len(chunk):])
-    slot_steps += batch * max(len(t) for t in res.tokens)
+    slot_rounds += batch * run.rounds
   wall = time.perf_counter() - t0
   return {"wall_s": wall, "output_tokens": useful, "tokens_per_s": useful / wall,
-          "occupancy": useful / max(slot_steps, 1), "tokens": outputs}
+          "occupancy": useful / max(slot_rounds, 1), "tokens": outputs}
 
 
 def table(result: dict) -> str:
