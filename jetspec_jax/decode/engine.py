@@ -482,8 +482,9 @@ def engine_round(target_params, head_params, s: EngineState, *, plan: EnginePlan
     else:
       lane_slot = lane_start = jnp.zeros((plan.groups, 0), jnp.int32)
       lane_tokens = jnp.zeros((0, c), jnp.int32)
-    packed = PackedRows(slot=slot, node=node, lane_slot=lane_slot, lane_start=lane_start, slots_per_group=per,
-                        span=n, lane_rows=c, key_len=key_len)
+    # Decode rows are written at prefix_len: past every committed row (a prefilling slot's lanes write after them).
+    packed = PackedRows(slot=slot, node=node, lane_slot=lane_slot, lane_start=lane_start, write_start=s.prefix_len,
+                        slots_per_group=per, span=n, lane_rows=c, key_len=key_len)
     chosen = packed.scatter(live[..., None])[..., 0]                                   # [B, N]
     mask = (dec_mask & chosen[:, None, :]) | jnp.eye(n, dtype=bool)[None]
     flat_rows = lambda x: jnp.take_along_axis(x.reshape(plan.groups, per * n), index, axis=1)

@@ -61,13 +61,16 @@ class PackedRows:
   slots_per_group + ``slot[g, k]`` (slot == slots_per_group: padding, dropped). Then L prefill lanes of C =
   ``lane_rows`` consecutive prompt rows each: lane (g, l) continues sequence ``lane_slot[g, l]`` (slots_per_group:
   an idle lane) at cache row ``lane_start[g, l]``, causally; one sequence may hold several lanes (consecutive
-  chunks of its prompt). Every row's keys and values are written in place at its own cache row; nothing else of
-  the cache is touched. ``key_len`` (None: all): attention reads only the cache's first key_len rows (the caller
-  guarantees no row sees past them)."""
+  chunks of its prompt). Sequence b's W decode rows are written in place at cache rows write_start[b] + w (one
+  contiguous write per sequence; rows of unchosen nodes hold zeros), a lane's rows at its own rows; nothing
+  else of the cache is touched. Every write precedes every read of the layer's cache (XLA then updates the
+  loop's cache buffers in place instead of copying them). ``key_len`` (None: all): attention reads only the
+  cache's first key_len rows (the caller guarantees no row sees past them)."""
   slot: jax.Array                 # [G, K] int32
   node: jax.Array                 # [G, K] int32
   lane_slot: jax.Array            # [G, L] int32
   lane_start: jax.Array           # [G, L] int32
+  write_start: jax.Array          # [B] int32: cache row of each sequence's decode row 0 (>= its committed rows)
   slots_per_group: int = flax.struct.field(pytree_node=False)
   span: int = flax.struct.field(pytree_node=False)
   lane_rows: int = flax.struct.field(pytree_node=False)
@@ -123,10 +126,6 @@ class PackedRows:
     lanes = x[:, k:]
     return x[:, :k], lanes.reshape((-1, self.lane_rows) + x.shape[2:])
 
-  def decode_cache_rows(self, start: jax.Array) -> jax.Array:
-    """[G, K] the cache row of each packed decode row: start[sequence] + node (padding rows: any)."""
-    return self.gather(start[:, None] + jnp.arange(self.span, dtype=jnp.int32)[None, :])
-
   def lane_cache_rows(self) -> tuple[jax.Array, jax.Array]:
     """(sequence within the group [G, L * C], cache row [G, L * C]) of each lane row, in packed order."""
     groups, lanes = self.lane_slot.shape
@@ -143,23 +142,24 @@ class PackedRows:
 
 
 def _attend_packed(packed: PackedRows, kv, start, block_mask, q, k, v, impl, mesh):
-  """``cached_attention`` for packed rows: every row's keys and values written at its own cache row, then the
-  decode rows attend in the [B, W] layout and each lane over its sequence's cache rows (read, never copied back)."""
+  """``cached_attention`` for packed rows: the decode rows' keys and values written at ``packed.write_start``, the
+  lanes' at their own rows, then the decode rows attend from ``start`` in the [B, W] layout and each lane over
+  its sequence's cache rows (read, never copied back)."""
   heads_last = lambda x: x.transpose(0, 2, 1, 3)                      # [G, Hkv, K, Dh] <-> [G, K, Hkv, Dh]
   q_d, q_l = packed.split(q)
-  k_d, v_d = heads_last(k)[:, :packed.slot.shape[1]], heads_last(v)[:, :packed.slot.shape[1]]
-  dec_at = packed.decode_cache_rows(start)
-  k_cache = packed.put_rows(kv[0], k_d, packed.slot, dec_at)
-  v_cache = packed.put_rows(kv[1], v_d, packed.slot, dec_at)
-  keys = slice(None, packed.key_len)
-  out = packed.gather(attention(packed.scatter(q_d), k_cache[:, :, keys], v_cache[:, :, keys], start, block_mask,
-                                impl=impl, mesh=mesh))
+  groups, k_rows = packed.slot.shape
+  decode_rows = lambda x: heads_last(packed.scatter(heads_last(x)[:, :k_rows]))      # [B, Hkv, W, Dh]
+  k_cache = write_rows(kv[0], decode_rows(k), packed.write_start)
+  v_cache = write_rows(kv[1], decode_rows(v), packed.write_start)
   if packed.num_lanes:
-    groups, k_rows = packed.slot.shape
     lane_kv = lambda x: heads_last(x)[:, k_rows:]                      # [G, L * C, Hkv, Dh]
     seq, at = packed.lane_cache_rows()
     k_cache = packed.put_rows(k_cache, lane_kv(k), seq, at)
     v_cache = packed.put_rows(v_cache, lane_kv(v), seq, at)
+  keys = slice(None, packed.key_len)
+  out = packed.gather(attention(packed.scatter(q_d), k_cache[:, :, keys], v_cache[:, :, keys], start, block_mask,
+                                impl=impl, mesh=mesh))
+  if packed.num_lanes:
     rows = packed.lane_rows
     causal = jnp.broadcast_to(jnp.tril(jnp.ones((rows, rows), bool)), (q_l.shape[0], rows, rows))
     lane_out = attention(q_l, packed.lane_sequences(k_cache[:, :, keys]), packed.lane_sequences(v_cache[:, :, keys]),
