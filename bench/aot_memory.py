@@ -3,10 +3,10 @@
 For every shipped training config (configs/*.py) the head's train step (``trainer.compile_step``, the
 config's mesh, optimizer, batch and sequence length, the target's real shapes; weights are
 ``jax.ShapeDtypeStruct`` carrying the NamedShardings their ParamSpecs give them) is lowered and
-compiled without any weight being allocated; for the 8B and 30B-A3B targets the greedy speculative
-decode loop (``speculative.spec_decode``, batch 1, tree budget 128, bf16, cache of ``--decode-len``
+compiled without any weight being allocated; for the 8B and 30B-A3B targets a greedy speculative
+engine round (``engine.run_rounds``, one slot, tree budget 128, bf16, requests of ``--decode-len``
 committed positions, mesh 1 x 8) as well, and for the 8B target regeneration on its config's mesh
-(``--regen``: batch 8, 8192-token prompts, 1024 new tokens; the chunked prefill and one AR step). Reported per device, from ``compiled.memory_analysis()``:
+(``--regen``: 8 slots, 8192-token prompts, 1024 new tokens; the AR engine with 64-row prefill lanes). Reported per device, from ``compiled.memory_analysis()``:
 
 * ``args_gb`` / ``out_gb`` / ``alias_gb`` / ``temp_gb``: arguments, outputs, outputs aliasing donated
   arguments, XLA's temporaries; ``peak_gb`` = args + out - alias + temp (an upper bound: XLA may free
@@ -16,14 +16,14 @@ committed positions, mesh 1 x 8) as well, and for the 8B target regeneration on 
   attention's query blocks, the loss's anchor chunks); the decode loop's trip count is data-dependent,
   so its rows are per round; ``analytic_tflop``: matmul FLOPs counted from the shapes (below).
 
-* ``kernels`` / ``while_loops`` / ``conditionals``: per iteration of the program's outermost loop (a
-  decode round, an AR step; the whole program for the train step and prefill), ``bench.loop_report``.
+* ``kernels`` / ``while_loops`` / ``conditionals``: per engine round (the round body with prefill lanes, the
+  largest; the whole program for the train step), ``bench.loop_report``.
 
 ``--target cpu`` (default) compiles for 8 fake CPU devices: XLA:CPU fuses and schedules differently
 from XLA:GPU (and upcasts some bf16 dots to float32), so the temporaries are an estimate.
 ``--target h200`` compiles the same programs for eight H200s with no GPU attached (jax's CUDA plugin,
 ``jetspec_jax.deviceless``): XLA:GPU's own memory, kernels and control flow; ``--gpu-programs``
-adds the AR step and the budget-16 / budget-128 rounds at batch 1 and 64 (the round table of
+adds the AR round and the budget-16 / budget-128 rounds at batch 1 and 64 (the round table of
 docs/gpu.md). Needs ``pip install "jax[cuda12]==<jax's version>" absl-py`` (about 5.5 GB).
 
   XLA_FLAGS=--xla_force_host_platform_device_count=8 python bench/aot_memory.py          # every config
@@ -50,8 +50,6 @@ from jetspec_jax import deviceless  # noqa: E402
 from jetspec_jax.bench import format_table, hlo_dot_flops, loop_report, machine_info, save_results  # noqa: E402
 from jetspec_jax.config import Qwen3Config, parse_dtype  # noqa: E402
 from jetspec_jax.decode import speculative  # noqa: E402
-from jetspec_jax.decode import loop  # noqa: E402
-from jetspec_jax.decode.loop import DecodeState  # noqa: E402
 from jetspec_jax.models import draft_head, qwen3  # noqa: E402
 from jetspec_jax.sharding import make_mesh, named_sharding  # noqa: E402
 from jetspec_jax.errors import JetSpecError  # noqa: E402
@@ -199,153 +197,97 @@ def train_case(name: str, c: ml_collections.ConfigDict, target: Qwen3Config, dev
   return row, details
 
 
-def decode_case(name: str, c: ml_collections.ConfigDict, target: Qwen3Config, committed: int, budget: int,
-                devices: tuple, batch: int = 1, method: str = "accum_logp", attention: str = "xla") -> tuple[dict, dict]:
-  """(table row, details) of the greedy speculative loop at ``batch`` (bf16 weights and caches; mesh
-  1 x devices; tree ``method`` with ``budget`` nodes, width 7, the head's depth)."""
-  mesh = make_mesh(1, len(devices), devices)
-  head_cfg = trainer.build_head_config(c, target, None)
-  tree = speculative.TreeConfig(method, budget, 7, head_cfg.depth)
-  max_new = committed // 4
-  target_len, draft_len = speculative.cache_lengths(committed - max_new, max_new, head_cfg, tree)
-  dtype = jnp.bfloat16
-  replicated = NamedSharding(mesh, P())
-
-  def cache(layers, kv, length, dh):
-    shape = (batch, kv, length, dh)
-    sds = jax.ShapeDtypeStruct(shape, dtype, sharding=named_sharding(qwen3.CACHE_AXES, shape, mesh))
-    return qwen3.KVCache(k=(sds,) * layers, v=(sds,) * layers)
-
-  small = lambda shape, dt=jnp.int32: jax.ShapeDtypeStruct(shape, dt, sharding=replicated)
-  key = jax.eval_shape(lambda: jax.random.split(jax.random.key(0), batch))
-  base = DecodeState(cache=cache(target.num_hidden_layers, target.num_key_value_heads, target_len, target.head_dim),
-                     tokens=small((batch, max_new)), num_tokens=small((batch,)), last_token=small((batch,)),
-                     prefix_len=small((batch,)), done=small((batch,), jnp.bool_), key=small(key.shape, key.dtype),
-                     steps=small(()))
-  state = speculative.SpecState(base=base, draft_cache=cache(head_cfg.num_hidden_layers, head_cfg.num_key_value_heads,
-                                                             draft_len, head_cfg.head_dim),
-                                rounds=small((batch,)), depth_hist=small((batch, tree.depth + 1)),
-                                depth_visits=small((batch, tree.depth)),
-                                rank_hits=small((batch, tree.depth, tree.num_candidates)),
-                                rank_mass=small((batch, tree.depth, tree.num_candidates), jnp.float32))
-  target_params = abstract_params(qwen3.param_specs(target), dtype, mesh)
-  head_params = abstract_params(draft_head.param_specs(head_cfg), dtype, mesh)
-  t0 = time.perf_counter()
-  compiled = speculative.spec_decode.lower(target_params, head_params, state, cfg=target, head_cfg=head_cfg,
-                                           tree_cfg=tree, eos_ids=(), attn_impl=attention, mesh=mesh).compile()
-  analytic = batch * decode_flops(target, head_cfg, tree.num_nodes(), target_len, draft_len, tree.depth)
-  label = "" if method == "accum_logp" else f" {method}"
-  row = {"config": name, "program": f"decode b{budget}{label} x{batch} (per round)", "mesh": f"1x{mesh.size}",
-         **memory_row(compiled), **flops_row(compiled, analytic, mesh.size, unknown_trips=1),
-         "compile_s": time.perf_counter() - t0}
-  return row, {"target_cache": target_len, "draft_cache": draft_len, "nodes": tree.num_nodes()}
-
-
-def ar_case(name: str, target: Qwen3Config, committed: int, batch: int, devices: tuple,
-            attention: str = "xla") -> tuple[dict, dict]:
-  """(table row, details) of greedy AR decoding (``loop.ar_decode``, one step per round) at ``batch`` over a
-  cache of ``committed`` positions, bf16, mesh 1 x devices."""
-  mesh = make_mesh(1, len(devices), devices)
-  dtype = jnp.bfloat16
-  shape = (batch, target.num_key_value_heads, committed, target.head_dim)
-  sds = jax.ShapeDtypeStruct(shape, dtype, sharding=named_sharding(qwen3.CACHE_AXES, shape, mesh))
-  replicated = NamedSharding(mesh, P())
-  small = lambda shape, dt=jnp.int32: jax.ShapeDtypeStruct(shape, dt, sharding=replicated)
-  key = jax.eval_shape(lambda: jax.random.split(jax.random.key(0), batch))
-  state = DecodeState(cache=qwen3.KVCache(k=(sds,) * target.num_hidden_layers, v=(sds,) * target.num_hidden_layers),
-                      tokens=small((batch, committed // 4)), num_tokens=small((batch,)), last_token=small((batch,)),
-                      prefix_len=small((batch,)), done=small((batch,), jnp.bool_), key=small(key.shape, key.dtype),
-                      steps=small(()))
-  params = abstract_params(qwen3.param_specs(target), dtype, mesh)
-  t0 = time.perf_counter()
-  compiled = loop.ar_decode.lower(params, state, cfg=target, eos_ids=(), temperature=0.0, attn_impl=attention,
-                                  mesh=mesh).compile()
-  row = {"config": name, "program": f"AR step x{batch}", "mesh": f"1x{mesh.size}", **memory_row(compiled),
-         **flops_row(compiled, target_flops(target, batch, committed), mesh.size, unknown_trips=1),
-         "compile_s": time.perf_counter() - t0}
-  return row, {"cache_positions": committed, "batch": batch}
-
-
 ENGINE_SAMPLING = {"greedy": (False, 0.0), "sampled": (False, 0.6), "per_request": (True, 0.0)}
 
 
-def engine_case(name: str, c: ml_collections.ConfigDict, target: Qwen3Config, committed: int, slots: int,
-                devices: tuple, sampling: str, attention: str = "xla") -> tuple[dict, dict]:
-  """(table row, details) of one engine round (``engine.run_rounds``): ``slots`` slots, best_nodes trees of 16
-  nodes each verified whole, one prefill lane of 64 rows, bf16, mesh 1 x devices. ``sampling``: "greedy" /
-  "sampled" (Qwen3's 0.6 / 20 / 0.95, rejection) compiled in, or "per_request" (``per_request_sampling``)."""
+def engine_program(target: Qwen3Config, head_cfg, plan, mesh, sampling: str = "greedy", attention: str = "xla"):
+  """The engine's device loop (``engine.run_rounds``) for ``plan`` compiled with abstract bf16 weights, caches and
+  state: caches sharded as ``qwen3.CACHE_AXES``, per-slot state replicated (``sampling``: ``ENGINE_SAMPLING``)."""
   from jetspec_jax.decode import engine
   from jetspec_jax.decode.sampling import SamplingConfig
-  mesh = make_mesh(1, len(devices), devices)
-  head_cfg = trainer.build_head_config(c, target, None)
-  tree = speculative.TreeConfig("best_nodes", 16, 7, head_cfg.depth)
-  per_request, temperature = ENGINE_SAMPLING[sampling]
-  plan = engine.EnginePlan(slots=slots, rows=slots * tree.num_nodes(), lanes=1, prefill_rows=64,
-                           max_prompt=committed - committed // 4, max_new_tokens=committed // 4, queue=2 * slots,
-                           tree=tree, per_request_sampling=per_request)
   dtype = jnp.bfloat16
   shapes = jax.eval_shape(lambda: engine.init_state(plan, target, head_cfg, dtype, dtype))
   replicated = NamedSharding(mesh, P())
   cache = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=named_sharding(qwen3.CACHE_AXES, x.shape, mesh))
   small = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated)
-  state = shapes.replace(**{f: jax.tree.map(small, getattr(shapes, f)) for f in ("queue", "entry", "seq", "prompt_len",
-                                                                                 "max_new", "key", "temperature",
-                                                                                 "top_k", "top_p", "prefix_len",
-                                                                                 "last_token", "tokens", "num_tokens",
-                                                                                 "steps", "first", "done", "depth_hist",
-                                                                                 "depth_visits", "rank_hits", "rank_mass",
-                                                                                 "round", "busy", "control")},
-                         cache=jax.tree.map(cache, shapes.cache), draft_cache=jax.tree.map(cache, shapes.draft_cache))
+  state = jax.tree.map(small, shapes).replace(cache=jax.tree.map(cache, shapes.cache),
+                                              draft_cache=jax.tree.map(cache, shapes.draft_cache))
   target_params = abstract_params(qwen3.param_specs(target), dtype, mesh)
-  head_params = abstract_params(draft_head.param_specs(head_cfg), dtype, mesh)
-  sampling_cfg = SamplingConfig(temperature, 20, 0.95, "rejection") if temperature else SamplingConfig()
-  s = sampling_cfg.resolved()
+  head_params = None if head_cfg is None else abstract_params(draft_head.param_specs(head_cfg), dtype, mesh)
+  temperature = ENGINE_SAMPLING[sampling][1]
+  s = (SamplingConfig(temperature, 20, 0.95, "rejection") if temperature else SamplingConfig()).resolved()
+  return engine.run_rounds.lower(target_params, head_params, state, small(jax.ShapeDtypeStruct((), jnp.int32)),
+                                 plan=plan, cfg=target, head_cfg=head_cfg, eos_ids=(), temperature=s.temperature,
+                                 top_k=s.top_k, top_p=s.top_p, accept=s.accept, attn_impl=attention,
+                                 mesh=mesh).compile()
+
+
+def round_plan(committed: int, slots: int, tree, sampling: str = "greedy", lanes: int = 1, prefill_rows: int = 64):
+  """A plan of ``slots`` slots whose requests hold ``committed`` positions (3/4 prompt, 1/4 new), every slot's
+  whole tree verified."""
+  from jetspec_jax.decode import engine
+  nodes = 1 if tree is None else tree.num_nodes()
+  return engine.EnginePlan(slots=slots, rows=slots * nodes, lanes=lanes, prefill_rows=prefill_rows,
+                           max_prompt=committed - committed // 4, max_new_tokens=committed // 4, queue=2 * slots,
+                           tree=tree, per_request_sampling=ENGINE_SAMPLING[sampling][0])
+
+
+def decode_case(name: str, c: ml_collections.ConfigDict, target: Qwen3Config, committed: int, budget: int,
+                devices: tuple, batch: int = 1, method: str = "accum_logp", attention: str = "xla",
+                sampling: str = "greedy") -> tuple[dict, dict]:
+  """(table row, details) of one speculative engine round (``engine.run_rounds``; the kernel counts are the round
+  body with prefill lanes, the largest) at ``batch`` slots: tree ``method`` of ``budget`` nodes, width 7, the
+  head's depth, every slot's whole tree verified, one prefill lane of 64 rows; bf16; mesh 1 x devices.
+  ``sampling``: greedy, or as ``ENGINE_SAMPLING``."""
+  mesh = make_mesh(1, len(devices), devices)
+  head_cfg = trainer.build_head_config(c, target, None)
+  tree = speculative.TreeConfig(method, budget, 7, head_cfg.depth)
+  plan = round_plan(committed, batch, tree, sampling)
   t0 = time.perf_counter()
-  compiled = engine.run_rounds.lower(target_params, head_params, state, small(jax.ShapeDtypeStruct((), jnp.int32)),
-                                     plan=plan, cfg=target, head_cfg=head_cfg, eos_ids=(), temperature=s.temperature,
-                                     top_k=s.top_k, top_p=s.top_p, accept=s.accept, attn_impl=attention,
-                                     mesh=mesh).compile()
+  compiled = engine_program(target, head_cfg, plan, mesh, sampling, attention)
   target_len, draft_len = plan.cache_lengths(head_cfg)
-  analytic = slots * decode_flops(target, head_cfg, tree.num_nodes(), target_len, draft_len, tree.depth)
-  row = {"config": name, "program": f"engine b16 x{slots} {sampling} (per round)", "mesh": f"1x{mesh.size}",
+  analytic = batch * decode_flops(target, head_cfg, tree.num_nodes(), target_len, draft_len, tree.depth)
+  label = ("" if method == "accum_logp" else f" {method}") + ("" if sampling == "greedy" else f" {sampling}")
+  row = {"config": name, "program": f"decode b{budget}{label} x{batch} (per round)", "mesh": f"1x{mesh.size}",
          **memory_row(compiled), **flops_row(compiled, analytic, mesh.size, unknown_trips=1),
          "compile_s": time.perf_counter() - t0}
-  return row, {"target_cache": target_len, "draft_cache": draft_len, "rows": plan.rows, "sampling": sampling}
+  return row, {"target_cache": target_len, "draft_cache": draft_len, "nodes": tree.num_nodes(), "rows": plan.rows,
+               "sampling": sampling}
+
+
+def ar_case(name: str, target: Qwen3Config, committed: int, batch: int, devices: tuple,
+            attention: str = "xla") -> tuple[dict, dict]:
+  """(table row, details) of one AR engine round (one token per slot) at ``batch`` slots over a cache of
+  ``committed`` positions, greedy, bf16, mesh 1 x devices."""
+  mesh = make_mesh(1, len(devices), devices)
+  plan = round_plan(committed, batch, None)
+  t0 = time.perf_counter()
+  compiled = engine_program(target, None, plan, mesh, "greedy", attention)
+  target_len, _ = plan.cache_lengths(None)
+  row = {"config": name, "program": f"AR round x{batch}", "mesh": f"1x{mesh.size}", **memory_row(compiled),
+         **flops_row(compiled, target_flops(target, batch, target_len), mesh.size, unknown_trips=1),
+         "compile_s": time.perf_counter() - t0}
+  return row, {"cache_positions": target_len, "batch": batch}
 
 
 def regen_case(name: str, c: ml_collections.ConfigDict, target: Qwen3Config, batch: int, prompt: int,
                max_new: int, devices: tuple) -> tuple[list[dict], dict]:
-  """(table rows, details) of regeneration on the config's mesh: the chunked prefill of ``batch`` prompts of
-  ``prompt`` tokens (``loop.prefill_chunk``'s chunk) and one AR step over a cache of prompt + max_new
-  positions (bf16 weights and cache)."""
+  """(table rows, details) of regeneration on the config's mesh: the AR engine ``regenerate`` runs (``batch``
+  slots, one data group per data shard, one lane of 64 prompt rows per group and round) for prompts of
+  ``prompt`` tokens and ``max_new`` new ones, bf16; per round of the body with lanes."""
+  from jetspec_jax.decode import engine
   mesh = config_mesh(c.mesh, devices)
-  dtype, length = jnp.bfloat16, prompt + max_new
-  chunk = loop.prefill_chunk(batch, target.num_attention_heads, prompt, length, mesh)
-  shape = (batch, target.num_key_value_heads, length, target.head_dim)
-  sds = jax.ShapeDtypeStruct(shape, dtype, sharding=named_sharding(qwen3.CACHE_AXES, shape, mesh))
-  cache = qwen3.KVCache(k=(sds,) * target.num_hidden_layers, v=(sds,) * target.num_hidden_layers)
-  rows_sharding = named_sharding(("batch", None), (batch, prompt), mesh)
-  vec = lambda dt=jnp.int32: jax.ShapeDtypeStruct((batch,), dt, sharding=named_sharding(("batch",), (batch,), mesh))
-  key = jax.eval_shape(lambda: jax.random.split(jax.random.key(0), batch))
-  params = abstract_params(qwen3.param_specs(target), dtype, mesh)
-  kw = dict(cfg=target, eos_ids=(), temperature=0.0, mesh=mesh)
+  groups = mesh.shape["data"]
+  plan = engine.EnginePlan(slots=batch, rows=batch, lanes=groups, prefill_rows=64, max_prompt=prompt,
+                           max_new_tokens=max_new, queue=2 * batch // groups, groups=groups)
   t0 = time.perf_counter()
-  prefill = loop.prefill.lower(params, cache, jax.ShapeDtypeStruct((batch, prompt), jnp.int32, sharding=rows_sharding),
-                               vec(), vec(key.dtype), max_new_tokens=max_new, chunk=chunk, **kw).compile()
-  state = DecodeState(cache=cache, tokens=jax.ShapeDtypeStruct((batch, max_new), jnp.int32, sharding=rows_sharding),
-                      num_tokens=vec(), last_token=vec(), prefix_len=vec(), done=vec(jnp.bool_),
-                      key=vec(key.dtype), steps=jax.ShapeDtypeStruct((), jnp.int32))
-  t1 = time.perf_counter()
-  step = loop.ar_decode.lower(params, state, **kw).compile()
-  t2 = time.perf_counter()
-  mesh_text = f"{mesh.shape['data']}x{mesh.shape['model']}"
-  prefill_flops = target_flops(target, batch * prompt, length)
-  rows = [{"config": name, "program": f"regen prefill b{batch} x {prompt} (chunk {chunk})", "mesh": mesh_text,
-           **memory_row(prefill), **flops_row(prefill, prefill_flops, mesh.size), "compile_s": t1 - t0},
-          {"config": name, "program": f"regen AR step b{batch}, cache {length}", "mesh": mesh_text,
-           **memory_row(step), **flops_row(step, target_flops(target, batch, length), mesh.size, unknown_trips=1),
-           "compile_s": t2 - t1}]
-  return rows, {"chunk": chunk, "cache_positions": length, "batch": batch}
+  compiled = engine_program(target, None, plan, mesh)
+  target_len, _ = plan.cache_lengths(None)
+  rows = [{"config": name, "program": f"regen x{batch}, prompts {prompt} + {max_new} (per round)",
+           "mesh": f"{mesh.shape['data']}x{mesh.shape['model']}", **memory_row(compiled),
+           **flops_row(compiled, target_flops(target, batch + groups * 64, target_len), mesh.size, unknown_trips=1),
+           "compile_s": time.perf_counter() - t0}]
+  return rows, {"cache_positions": target_len, "batch": batch, "lanes": groups, "prefill_rows": 64}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -415,8 +357,9 @@ def main(argv: list[str] | None = None) -> int:
                                                      attention=args.attention)))
     if name in DECODE_CONFIGS and args.engine_slots:
       for sampling in ENGINE_SAMPLING:
-        programs.append((f"engine/x{args.engine_slots}/{sampling}", lambda sampling=sampling: engine_case(
-            name, c, target, args.decode_len, args.engine_slots, devices, sampling, args.attention)))
+        programs.append((f"engine/x{args.engine_slots}/{sampling}", lambda sampling=sampling: decode_case(
+            name, c, target, args.decode_len, 16, devices, args.engine_slots, "best_nodes", args.attention,
+            sampling)))
     if name in REGEN_CONFIGS and not args.no_regen:
       programs.append(("regen", lambda: regen_case(name, c, target, *map(int, args.regen.split(",")), devices)))
     for kind, run in programs:

@@ -2,7 +2,7 @@
 
 Two measurements on the demo's 64 + 64 bench prompts (``jetspec-jax demo`` work directory):
 
-1. batch invariance: the AR decoder's greedy tokens at batch 16 and at batch 1, compared by
+1. batch invariance: the AR engine's greedy tokens at batch 16 and at batch 1, compared by
    ``decode.agreement``'s rule (identical / parted at a near-tie / parted elsewhere);
 2. logit noise between programs: the target's float32 logits at every generated position computed by
    forwards of other shapes (the prompts and their AR tokens at batch 16, at batch 1, and at batch 1 padded
@@ -27,7 +27,7 @@ import numpy as np
 
 from jetspec_jax import banks, bench, convert, demo
 from jetspec_jax.decode import agreement
-from jetspec_jax.decode.generation import Generator
+from jetspec_jax.decode import engine
 from jetspec_jax.models import qwen3
 from jetspec_jax.tokenizer import load_tokenizer
 
@@ -123,7 +123,7 @@ def main(argv=None) -> int:
     prompts = demo.bench_prompts(s, bank, tokenizer)
     inv = bench.batch_invariance(params, cfg, prompts, max_new_tokens=s.bench_new_tokens, batch_size=batch, eos_ids=())
     few = prompts[:a.noise_prompts]
-    outs = Generator(cfg, params, eos_ids=()).generate(few, s.bench_new_tokens).tokens
+    outs = engine.generate(cfg, params, few, s.bench_new_tokens, eos_ids=()).tokens
     nz = noise(cfg, params, few, outs, batch)
     report["banks"][bank] = {"invariance": inv.as_dict(), **nz}
     rows.append({"bank": bank, "sequences": inv.count, "identical": inv.identical, "parted at ties": len(inv.ties),

@@ -26,7 +26,7 @@ import numpy as np
 from jetspec_jax import bench, convert, demo
 from jetspec_jax.config import Qwen3Config
 from jetspec_jax.decode import agreement
-from jetspec_jax.decode.generation import Generator
+from jetspec_jax.decode import engine
 from jetspec_jax.decode.speculative import TreeConfig
 from jetspec_jax.models import draft_head, qwen3
 from jetspec_jax.tokenizer import load_tokenizer
@@ -44,11 +44,11 @@ def compare(name: str, cfg, params, head_cfg, head_params, prompts, max_new: int
   """One row per tree: sequences equal to AR (bfloat16 weights and caches), first differences, their gaps."""
   cast = lambda tree: jax.tree_util.tree_map(lambda x: x.astype(jnp.bfloat16), tree)
   p16, h16 = cast(params), cast(head_params)
-  ar = Generator(cfg, p16, eos_ids=(), attn_impl=attn_impl).generate(prompts, max_new).tokens
+  ar = engine.generate(cfg, p16, prompts, max_new, eos_ids=(), attn_impl=attn_impl).tokens
   rows = []
   for label, tree in trees:
-    spec = Generator(cfg, p16, head_cfg=head_cfg, head_params=h16, tree=tree, eos_ids=(),
-                     attn_impl=attn_impl).generate(prompts, max_new).tokens
+    spec = engine.generate(cfg, p16, prompts, max_new, head_cfg=head_cfg, head_params=h16, tree=tree, eos_ids=(),
+                           attn_impl=attn_impl).tokens
     diffs = [(i, agreement.first_difference(a, s)) for i, (a, s) in enumerate(zip(ar, spec))]
     parted = [(i, d) for i, d in diffs if d is not None]
     gaps = [top2_gap(cfg, params, prompts[i], ar[i], d) for i, d in parted]

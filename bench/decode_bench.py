@@ -7,12 +7,12 @@ repeats), built with transformers, saved with ``save_pretrained`` and loaded int
 batched runs need no padding); EOS is disabled, so every run generates exactly
 ``--max-new-tokens`` tokens per prompt. Both frameworks use ``--threads`` CPU threads.
 
-(a) AR: tokens/s of an AR ``Generator`` (jitted prefill + one jitted ``lax.while_loop``) vs
+(a) AR: tokens/s of the AR engine (one jitted ``lax.while_loop``, the prompt prefilled in its first round) vs
     transformers greedy ``generate``, end to end (prefill included, wall clock around the call),
     for B=1 (each prompt on its own) and B=all prompts in one batch. The first call of each
     (compilation / warm-up) is reported separately and excluded; runs of the two frameworks
     are interleaved and the median over ``--repeats`` is reported. Also: do the tokens agree?
-(b) Speculative (B=1 per prompt): AR vs a speculative ``Generator`` with the chain and
+(b) Speculative (B=1 per prompt): AR vs a one-slot speculative engine with the chain and
     accum_logp trees (budgets ``--budgets``) and top2gap, each with two drafters:
       random head  an untrained JetSpec head (real drafting cost; acceptance ~0: the WORST
                    case, tau ~ 1);
@@ -21,9 +21,9 @@ batched runs need no padding); EOS is disabled, so every run generates exactly
                    draft token the tree can hold is accepted. Not a real drafter.
     tau = committed tokens per round (prefill token excluded); speedup = AR time / time.
     The output must equal AR's for every row (greedy speculative decoding is lossless).
-(c) Device->host transfers: the decode call (``ar_decode`` / ``spec_decode``, the whole
-    while loop) runs under ``jax.transfer_guard_device_to_host("disallow")`` (the Generator's
-    ``transfer_guard`` option), only the final result fetch outside it (counted by its ``on_fetch``
+(c) Device->host transfers: the engine's device loop (``run_rounds``, the whole while loop) runs
+    under ``jax.transfer_guard_device_to_host("disallow")`` (the Engine's ``transfer_guard`` option),
+    only the final result fetch outside it (counted by its ``on_fetch``
     hook); transfers per token = arrays fetched / tokens generated. On
     CPU the guard cannot see anything (XLA:CPU -> NumPy is zero-copy and never trips it,
     jax-ml/jax#16602; the positive control reports this), so the compiled loop is also
@@ -162,19 +162,28 @@ def interleaved(runners: dict, repeats: int):
 # ----------------------------------------------------------------------------------------------
 # (a) AR vs transformers.
 
+def engine_for(cfg, params, prompts, max_new: int, **kw):
+  """An engine of one slot per prompt (EOS off), each prompt prefilled whole in its first round."""
+  from jetspec_jax.attention import cache_rows
+  from jetspec_jax.decode.engine import Engine
+  return Engine.for_requests(cfg, params, requests(prompts, max_new), slots=len(prompts),
+                             prefill_rows=cache_rows(max(len(p) for p in prompts)), eos_ids=(), **kw)
+
+
+def requests(prompts, max_new: int):
+  from jetspec_jax.decode.engine import Request
+  return [Request(list(p), max_new) for p in prompts]
+
+
 def bench_ar(args, model, params, cfg, prompts):
-  from jetspec_jax.decode.generation import Generator
   m = args.max_new_tokens
-  ar = Generator(cfg, params, eos_ids=())
+  one, every = engine_for(cfg, params, prompts[:1], m), engine_for(cfg, params, prompts, m)
 
   def jax_each():
-    res = [ar.generate([pr], m) for pr in prompts]
-    return {"tokens": [r.tokens[0] for r in res], "prefill_s": sum(r.prefill_s for r in res),
-            "decode_s": sum(r.decode_s for r in res)}
+    return {"tokens": [one.run(requests([pr], m)).tokens[0] for pr in prompts]}
 
   def jax_batch():
-    r = ar.generate(prompts, m)
-    return {"tokens": r.tokens, "prefill_s": r.prefill_s, "decode_s": r.decode_s}
+    return {"tokens": every.run(requests(prompts, m)).tokens}
 
   runners = {"jax B=1": jax_each, "transformers B=1": lambda: {"tokens": [hf_generate(model, [pr], m)[0]
                                                                           for pr in prompts]},
@@ -201,10 +210,7 @@ def bench_ar(args, model, params, cfg, prompts):
                                          ht).as_dict(),
       "distinct_tokens_per_prompt": [len(set(t)) for t in jt],
   }
-  jax_split = {name: {"prefill_s_last": runs[name]["result"]["prefill_s"], "decode_s_last": runs[name]["result"]["decode_s"]}
-               for name in ("jax B=1", "jax B=all")}
-  return {"rows": rows, "agreement": agree, "jax_prefill_decode_split": jax_split,
-          "times": {k: v["times"] for k, v in runs.items()}, "tokens": jt}
+  return {"rows": rows, "agreement": agree, "times": {k: v["times"] for k, v in runs.items()}, "tokens": jt}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -221,25 +227,27 @@ def spec_variants(args):
 def bench_spec(args, params, cfg, prompts, ar_tokens):
   import jax
   import jax.numpy as jnp
-  from jetspec_jax.decode.generation import Generator, acceptance
+  from jetspec_jax.decode.engine import acceptance
   from jetspec_jax.models import draft_head
   m, depth = args.max_new_tokens, args.depth
   head_cfg = draft_head.DraftConfig.for_target(cfg, num_layers=1, block_size=depth + 1)
   head = draft_head.init_head(head_cfg, jax.random.key(args.seed + 1))
-  ar = Generator(cfg, params, eos_ids=())
+  ar = engine_for(cfg, params, prompts[:1], m)
   # Oracle references: the target's greedy continuation, D tokens longer than needed.
-  refs = [ar.generate([pr], m + depth).tokens[0] for pr in prompts]
+  refs = [engine_for(cfg, params, [pr], m + depth).run(requests([pr], m + depth)).tokens[0] for pr in prompts]
   oracle_heads = [{**head, "oracle_ref": jnp.asarray([list(pr) + ref], jnp.int32)} for pr, ref in zip(prompts, refs)]
 
   def ar_run():
-    return {"tokens": [ar.generate([pr], m).tokens[0] for pr in prompts]}
+    return {"tokens": [ar.run(requests([pr], m)).tokens[0] for pr in prompts]}
 
   def spec_run(tree_cfg, oracle):
+    engines = [engine_for(cfg, params, [pr], m, head_cfg=head_cfg, head_params=oracle_heads[i] if oracle else head,
+                          tree=tree_cfg, **({"drafter": oracle_drafter} if oracle else {}))
+               for i, pr in enumerate(prompts)]
+
     def run():
-      res = [Generator(cfg, params, head_cfg=head_cfg, head_params=oracle_heads[i] if oracle else head, tree=tree_cfg,
-                       eos_ids=(), **({"drafter": oracle_drafter} if oracle else {})).generate([pr], m)
-             for i, pr in enumerate(prompts)]
-      return {"tokens": [r.tokens[0] for r in res], **acceptance(res), "num_nodes": tree_cfg.num_nodes()}
+      res = [r for eng, pr in zip(engines, prompts) for r in eng.run(requests([pr], m)).results]
+      return {"tokens": [r.tokens for r in res], **acceptance(res), "num_nodes": tree_cfg.num_nodes()}
     return run
 
   runners = {("AR", "-"): ar_run}
@@ -296,10 +304,10 @@ def guard_positive_control() -> dict:
 
 
 def bench_transfers(args, params, cfg, prompts):
-  """Each decode runs under the Generator's transfer guard ("disallow"); its ``on_fetch`` hook counts the
-  final fetch, and the program ``decode`` runs (``lower_decode``) is scanned for host operations."""
+  """Each engine run's device loop runs under the Engine's transfer guard ("disallow"); its ``on_fetch`` hook
+  counts the final fetch, and the program ``step`` runs (``Engine.lower``) is scanned for host operations."""
   import jax
-  from jetspec_jax.decode.generation import Generator
+  from jetspec_jax.decode.engine import acceptance
   from jetspec_jax.decode.speculative import TreeConfig
   from jetspec_jax.models import draft_head
   m = args.max_new_tokens
@@ -307,19 +315,19 @@ def bench_transfers(args, params, cfg, prompts):
   head = draft_head.init_head(head_cfg, jax.random.key(args.seed + 1))
   tc = TreeConfig("accum_logp", args.budgets[0], args.width, args.depth)
   spec = dict(head_cfg=head_cfg, head_params=head, tree=tc)
-  cases = {"AR (Generator.decode)": {}, f"speculative accum_logp b={tc.budget} (Generator.decode)": spec}
+  cases = {"AR (Engine.step)": {}, f"speculative accum_logp b={tc.budget} (Engine.step)": spec}
   rows, details = [], {}
   control = guard_positive_control()
   for name, kw in cases.items():
     fetches, res, error = [], None, None
-    gen = Generator(cfg, params, eos_ids=(), transfer_guard="disallow", on_fetch=fetches.append, **kw)
-    hlo = bench.host_ops(gen.lower_decode(gen.prefill(prompts[:1], m)).compile().as_text())
+    eng = engine_for(cfg, params, prompts[:1], m, transfer_guard="disallow", on_fetch=fetches.append, **kw)
+    hlo = bench.host_ops(eng.lower().compile().as_text())
     try:
-      res = gen.generate(prompts[:1], m)
-      n_tok = len(res.tokens[0])
+      res = eng.run(requests(prompts[:1], m)).results
+      n_tok = len(res[0].tokens)
     except Exception as e:                                # noqa: BLE001: a guard violation is a result
       error, n_tok = f"{type(e).__name__}: {str(e)[:300]}", m
-    steps = None if res is None else int(res.rounds.sum()) if res.depth_histogram is not None else res.target_forwards - 1
+    steps = None if res is None else acceptance(res)["rounds"]
     fetched = sum(len(f) for f in fetches)
     rows.append({"decode": name, "tokens": n_tok, "loop iterations": steps,
                  "guard 'disallow' raised": bool(error), "guard effective here": control["guard_effective"],
@@ -365,8 +373,8 @@ def main(argv=None) -> int:
     result["ar_vs_transformers"] = ar
     ar_tokens = ar["tokens"]
   else:
-    from jetspec_jax.decode.generation import Generator
-    ar_tokens = [Generator(cfg, params, eos_ids=()).generate([p], args.max_new_tokens).tokens[0] for p in prompts]
+    ar_tokens = [engine_for(cfg, params, [p], args.max_new_tokens).run(requests([p], args.max_new_tokens)).tokens[0]
+                 for p in prompts]
 
   if "spec" not in args.skip:
     print(f"\n(b) speculative decoding, B=1 per prompt, depth D={args.depth}, width W={args.width}; "

@@ -270,21 +270,39 @@ def mode_name(budget: int | None, method: str = "accum_logp") -> str:
   return "ar" if budget is None else f"{bench.MODE_PREFIX[method]}_b{budget}"
 
 
+def prefilled(model: DecodeModel, budget: int | None, *, max_new: int, attn_impl: str, method: str = "accum_logp"):
+  """A one-slot engine (AR with budget None, else speculative with a ``method`` tree of ``budget`` nodes, width 7)
+  holding the model's prompt for ``max_new`` greedy tokens, after its first round (the prompt's prefill)."""
+  from jetspec_jax.attention import cache_rows
+  from jetspec_jax.decode.engine import Engine, Request
+  from jetspec_jax.decode.speculative import TreeConfig
+  tree = None if budget is None else TreeConfig(method, budget, 7, model.head_cfg.depth)
+  head = {} if tree is None else dict(head_cfg=model.head_cfg, head_params=model.head)
+  requests = [Request(model.prompt[0], max_new)]
+  eng = Engine.for_requests(model.cfg, model.params, requests, slots=1, prefill_rows=cache_rows(len(model.prompt[0])),
+                            tree=tree, eos_ids=(), attn_impl=attn_impl, **head)
+  eng.start()
+  eng.submit(requests)
+  eng.step(1)
+  jax.block_until_ready(eng.state)
+  return eng
+
+
+def decode_rest(eng) -> dict:
+  """The rest of a ``prefilled`` engine's generation, timed: decode_s, rounds (after the prefill's), tau."""
+  from jetspec_jax.decode.engine import acceptance
+  t0 = time.perf_counter()
+  results = eng.step()
+  decode_s = time.perf_counter() - t0
+  acc = acceptance(results)
+  return dict(decode_s=decode_s, rounds=acc["rounds"], tau=acc["tau"])
+
+
 def generate(model: DecodeModel, budget: int | None, *, max_new: int, attn_impl: str,
              method: str = "accum_logp") -> dict:
-  """One greedy generation of ``max_new`` tokens, AR (budget None) or speculative with a ``method`` tree of
-  ``budget`` nodes, width 7: decode_s (seconds after the prefill), rounds (AR: target forwards after the
-  prefill), tau."""
-  from jetspec_jax.decode.generation import Generator, acceptance
-  from jetspec_jax.decode.speculative import TreeConfig
-  if budget is None:
-    out = Generator(model.cfg, model.params, eos_ids=(), attn_impl=attn_impl).generate(model.prompt, max_new)
-    return dict(decode_s=out.decode_s, rounds=out.target_forwards - 1, tau=1.0)
-  tree = TreeConfig(method, budget, 7, model.head_cfg.depth)
-  out = Generator(model.cfg, model.params, head_cfg=model.head_cfg, head_params=model.head, tree=tree, eos_ids=(),
-                  attn_impl=attn_impl).generate(model.prompt, max_new)
-  acc = acceptance([out])
-  return dict(decode_s=out.decode_s, rounds=acc["rounds"], tau=acc["tau"])
+  """One greedy generation of ``max_new`` tokens (``prefilled``): decode_s (seconds after the prefill round),
+  rounds (AR: target forwards after the prefill), tau."""
+  return decode_rest(prefilled(model, budget, max_new=max_new, attn_impl=attn_impl, method=method))
 
 
 def decode_section(model: DecodeModel, *, budgets: tuple[int, ...], max_new: int, attn_impl: str,
@@ -387,14 +405,14 @@ def profile_section(model: DecodeModel, *, budgets: tuple[int, ...], max_new: in
 def profile_row(model: DecodeModel, budget: int | None, *, max_new: int, attn_impl: str) -> dict:
   """One mode of the profile section: rounds and the trace summary's columns (times and counts per round)."""
   generate(model, budget, max_new=max_new, attn_impl=attn_impl)                # compile + warm-up
+  eng = prefilled(model, budget, max_new=max_new, attn_impl=attn_impl)
   with tempfile.TemporaryDirectory() as tmp:
     with jax.profiler.trace(tmp, create_perfetto_trace=True):
-      rounds = generate(model, budget, max_new=max_new, attn_impl=attn_impl)["rounds"]
+      rounds = decode_rest(eng)["rounds"]
     if out_dir := os.environ.get("OUT"):
       (Path(out_dir) / "traces").mkdir(exist_ok=True)
       shutil.copyfile(trace_summary.trace_file(tmp), Path(out_dir) / "traces" / f"{mode_name(budget)}.json.gz")
-    loop = "ar_decode" if budget is None else "spec_decode"
-    return trace_summary.summarize(tmp, phases=PHASES, rounds=max(rounds, 1), top=30, after=f"PjitFunction({loop})")
+    return trace_summary.summarize(tmp, phases=PHASES, rounds=max(rounds, 1), top=30, after="PjitFunction(run_rounds)")
 
 
 def relate_to_unprofiled(profile_rows: list[dict], decode_rows: list[dict]) -> list[str]:

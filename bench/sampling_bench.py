@@ -1,9 +1,9 @@
 """Sampling benchmark: tau and tokens/s of the two lossless acceptance rules at temperature > 0.
 
 For each temperature (default 0.6 and 1.0) and tree budget (default 16 and 64) it runs
-a speculative ``Generator`` with ``accept="match"`` (one target draw per node, deterministic top-W
+a one-slot-per-prompt speculative engine with ``accept="match"`` (one target draw per node, deterministic top-W
 tree) and ``accept="rejection"`` (Gumbel-top-k tree + recursive rejection sampling), plus the AR
-loop at the same temperature as the tokens/s baseline, and prints one table.
+engine at the same temperature as the tokens/s baseline, and prints one table.
 
 By default the target is a small RANDOM Qwen3 (vocab 512, hidden 128, 4 layers) and the head is a RANDOM,
 untrained JetSpec head: its tau says little about a trained head (expect tau near 1 and match
@@ -15,7 +15,7 @@ checkpoint) and ``--head`` (HF head directory) to measure a real pair.
 
 Timing: the first call of every configuration compiles and is not timed; then ``--repeats``
 timed calls, median reported. tokens/s counts generated tokens (prefill's first token included)
-over prefill + decode wall time.
+over the engine run's wall time (prefill included).
 """
 from __future__ import annotations
 
@@ -28,9 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jetspec_jax.bench import format_table, machine_info, median, save_results
-from jetspec_jax.decode.generation import acceptance
 from jetspec_jax.config import Qwen3Config
-from jetspec_jax.decode.generation import Generator
+from jetspec_jax.decode.engine import Engine, Request, acceptance
 from jetspec_jax.decode.sampling import SamplingConfig
 from jetspec_jax.decode.speculative import TreeConfig
 from jetspec_jax.decode.tree import TREE_METHODS
@@ -81,15 +80,20 @@ def parse_prompts(args, vocab: int) -> list[list[int]]:
   return [rng.integers(2, vocab, size=args.prompt_len).tolist() for _ in range(args.batch)]
 
 
-def measure(generator, prompts, max_new_tokens: int, repeats: int) -> dict:
-  """Median seconds and tokens/s of ``generator`` over ``repeats`` runs after a compiling one, plus the
-  acceptance of the first timed run when it is speculative."""
-  generator.generate(prompts, max_new_tokens)                  # compile
-  runs = [generator.generate(prompts, max_new_tokens) for _ in range(repeats)]
-  secs = [r.prefill_s + r.decode_s for r in runs]
-  n = int(runs[0].num_tokens.sum())
+def measure(prompts, max_new_tokens: int, repeats: int, *, cfg, params, **kw) -> dict:
+  """Median seconds and tokens/s over ``repeats`` runs, after a compiling one, of an engine of one slot per
+  prompt (``kw``: the engine's head, tree and sampling), plus the acceptance of the first timed run when it is
+  speculative."""
+  from jetspec_jax.attention import cache_rows
+  requests = [Request(list(p), max_new_tokens) for p in prompts]
+  eng = Engine.for_requests(cfg, params, requests, slots=len(requests),
+                            prefill_rows=cache_rows(max(len(p) for p in prompts)), eos_ids=(), **kw)
+  eng.run(requests)                                                # compile
+  runs = [eng.run(requests) for _ in range(repeats)]
+  secs = [r.wall_s for r in runs]
+  n = sum(len(t) for t in runs[0].tokens)
   out = dict(seconds=median(secs), generated=n, tokens_per_s=n / max(median(secs), 1e-9))
-  return out | (acceptance(runs[:1]) if generator.speculative else {})
+  return out | (acceptance(runs[0].results) if eng.speculative else {})
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -127,16 +131,15 @@ def main(argv: list[str] | None = None) -> int:
   rows = []
   for temp in temps:
     sampled = lambda accept: SamplingConfig(temp, args.top_k, args.top_p, accept, args.seed)
-    ar = measure(Generator(cfg, params, sampling_cfg=sampled("rejection"), eos_ids=()), prompts, m, args.repeats)
+    ar = measure(prompts, m, args.repeats, cfg=cfg, params=params, sampling_cfg=sampled("rejection"))
     rows.append({"temperature": temp, "budget": None, "accept": "AR", "tau": 1.0, "acc_d1": None,
                  "tokens_per_s": ar["tokens_per_s"], "speedup": 1.0, "seconds": ar["seconds"]})
     print(format_table(rows[-1:]), flush=True)
     for budget in budgets:
       tree = TreeConfig(args.tree, budget, args.width, depth)
       for accept in ("match", "rejection"):
-        spec = Generator(cfg, params, head_cfg=head_cfg, head_params=head_params, tree=tree,
-                         sampling_cfg=sampled(accept), eos_ids=())
-        res = measure(spec, prompts, m, args.repeats)
+        res = measure(prompts, m, args.repeats, cfg=cfg, params=params, head_cfg=head_cfg, head_params=head_params,
+                      tree=tree, sampling_cfg=sampled(accept))
         acc = res["acceptance_by_depth"]
         rows.append({"temperature": temp, "budget": budget, "accept": accept, "tau": res["tau"],
                      "acc_d1": acc[0] if acc else None, "tokens_per_s": res["tokens_per_s"],

@@ -31,7 +31,7 @@ def trace_file(trace_dir) -> Path:
 def op_events(trace: dict, after: str | None = None) -> tuple[str, list[dict]]:
   """(source, events) of a loaded trace: its device events ("device"), or when it has none the XLA ops of
   the host's tf_XLA threads ("host"), innermost events only. ``after``: the name of an event (e.g. the
-  host's "PjitFunction(spec_decode)"); only events starting at or after its first start are kept."""
+  host's "PjitFunction(run_rounds)"); only events starting at or after its first start are kept."""
   events = trace["traceEvents"]
   processes = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e["name"] == "process_name"}
   threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in events

@@ -103,8 +103,9 @@ def test_the_engine_round_with_per_request_sampling_for_h200():
   sampling holds the sampled acceptance walk's two loops and the two greedy-round conditionals, nothing else."""
   c, target = small_case()
   devices = deviceless.h200_devices(2)
-  greedy, _ = aot_memory.engine_case("small_moe", c, target, 512, 8, devices, "greedy")
+  greedy, _ = aot_memory.decode_case("small_moe", c, target, 512, 16, devices, 8, "best_nodes", sampling="greedy")
   assert greedy["while_loops"] == 0 and greedy["conditionals"] == 0, greedy
-  mixed, _ = aot_memory.engine_case("small_moe", c, target, 512, 8, devices, "per_request")
+  mixed, _ = aot_memory.decode_case("small_moe", c, target, 512, 16, devices, 8, "best_nodes",
+                                    sampling="per_request")
   assert mixed["while_loops"] == 2 and mixed["conditionals"] == 2, mixed
   assert all("jetspec_accept" in op or "jetspec_tree/cond" in op for op in mixed["control_flow"]), mixed["control_flow"]
