@@ -1,14 +1,13 @@
-"""What an engine round costs against the static loops, and how long prompts wait, on CPU with the demo's target
-and trained head (``jetspec-jax demo`` first).
+"""What an engine round costs and how long prompts wait, on CPU with the demo's target and trained head
+(``jetspec-jax demo`` first).
 
 Part ``round``: 16 slots, every slot decoding (prompts in, no prompt waiting), AR and best_nodes budget 16: the
-engine's milliseconds per round (segments of --rounds rounds, the fastest of --repeats) against a static batch
-of the same 16 requests (``Generator``: decode time over loop steps). Part ``batch1``: one prompt at a time (as
-``generate``), AR, chain and best_nodes 16: tokens/s of a one-slot engine against the static Generator. Part ``ttft``: --long prompts of
---long-tokens tokens among --short ShareGPT requests, arriving at --rate per second, through the AR engine at
-each prefill setting of --prefill (LANESxROWS: lanes per round x prompt rows per lane): TTFT and TPOT
-percentiles. The script uses only APIs both the engine and its predecessors had, so the same file measures an
-older commit (``PYTHONPATH=<checkout> python bench/round_cost.py``).
+engine's milliseconds per round (segments of --rounds rounds, the fastest of --repeats). Part ``batch1``: one
+prompt at a time (as ``generate``), AR, chain and best_nodes 16: tokens/s of a one-slot engine that prefills the
+whole prompt in its first round. Part ``ttft``: --long prompts of --long-tokens tokens among --short ShareGPT
+requests, arriving at --rate per second, through the AR engine at each prefill setting of --prefill
+(LANESxROWS: lanes per round x prompt rows per lane): TTFT and TPOT percentiles. docs/benchmarks.md sets these
+beside the static loops the engine replaced (measured by this script at the last commit that had them).
 
     python bench/round_cost.py --workdir ~/.cache/jetspec-jax --out docs/benchmark_runs/round_cost.json
 """
@@ -26,7 +25,6 @@ import numpy as np
 
 from jetspec_jax import bench, convert, load
 from jetspec_jax.decode.engine import Engine, EnginePlan, Request
-from jetspec_jax.decode.generation import Generator
 from jetspec_jax.decode.speculative import TreeConfig
 from jetspec_jax.tokenizer import load_tokenizer
 
@@ -55,37 +53,19 @@ def engine_ms_per_round(cfg, params, head, requests, tree, rounds: int, repeats:
   return {"ms_per_round": best, "rounds": rounds, "cache_rows": plan.cache_lengths(None if tree is None else head[0])[0]}
 
 
-def static_ms_per_step(cfg, params, head, requests, tree, repeats: int) -> dict:
-  """Milliseconds per static loop step (decode time over loop iterations), the fastest of ``repeats``."""
-  kw = {} if tree is None else dict(head_cfg=head[0], head_params=head[1], tree=tree)
-  gen = Generator(cfg, params, eos_ids=(), **kw)
-  prompts = [r.prompt for r in requests]
-  new = max(r.max_new_tokens for r in requests)
-  best = None
-  for _ in range(repeats + 1):
-    out = gen.generate(prompts, new)
-    steps = int(np.max(out.rounds))
-    ms = out.decode_s / steps * 1e3
-    best = ms if best is None else min(best, ms)
-  return {"ms_per_step": best}
-
-
 def part_round(cfg, params, head, tokenizer, args, say) -> dict:
   base = load.sharegpt_requests(tokenizer, args.slots, max_output=args.max_new, max_prompt=args.max_prompt)
   requests = [Request(r.prompt, args.max_new) for r in base]
   out = {}
   for name, tree in (("ar", None), ("best_b16", TreeConfig("best_nodes", 16, 4, head[0].depth))):
-    eng = engine_ms_per_round(cfg, params, head, requests, tree, args.rounds, args.repeats)
-    st = static_ms_per_step(cfg, params, head, requests, tree, args.repeats)
-    out[name] = {"engine": eng, "static": st, "round_over_static_step": eng["ms_per_round"] / st["ms_per_step"]}
-    say(f"round {name}: engine {eng['ms_per_round']:.2f} ms/round, static {st['ms_per_step']:.2f} ms/step, "
-        f"ratio {out[name]['round_over_static_step']:.3f}")
+    out[name] = {"engine": engine_ms_per_round(cfg, params, head, requests, tree, args.rounds, args.repeats)}
+    say(f"round {name}: engine {out[name]['engine']['ms_per_round']:.2f} ms/round")
   return out
 
 
 def part_batch1(cfg, params, head, tokenizer, args, say) -> dict:
-  """One prompt at a time, as ``generate`` runs: the engine (one slot; the whole prompt in its first round)
-  against the static Generator, tokens/s over the same prompts (prefill included), the fastest of --repeats."""
+  """One prompt at a time, as ``generate`` runs: the engine (one slot; the whole prompt in its first round),
+  tokens/s over the prompts (prefill included), the fastest of --repeats."""
   base = load.sharegpt_requests(tokenizer, args.batch1_prompts, max_output=args.batch1_new, max_prompt=args.max_prompt)
   requests = [Request(r.prompt, args.batch1_new) for r in base]
   longest = max(len(r.prompt) for r in requests)
@@ -96,22 +76,15 @@ def part_batch1(cfg, params, head, tokenizer, args, say) -> dict:
     kw = {} if tree is None else dict(head_cfg=head[0], head_params=head[1])
     engine = Engine.for_requests(cfg, params, requests, slots=1, prefill_rows=-(-longest // 8) * 8, tree=tree,
                                  eos_ids=(), **kw)
-    gen = Generator(cfg, params, eos_ids=(), **({} if tree is None else dict(kw, tree=tree)))
-    runs = {"engine": lambda r: len(engine.run([r]).results[0].tokens),
-            "static": lambda r: len(gen.generate([r.prompt], r.max_new_tokens).tokens[0])}
-    row = {}
-    for which, fn in runs.items():
-      fn(requests[0])                                                        # compile
-      best = 0.0
-      for _ in range(args.repeats):
-        t0 = time.perf_counter()
-        tokens = sum(fn(r) for r in requests)
-        best = max(best, tokens / (time.perf_counter() - t0))
-      row[which] = best
-    row["engine_over_static"] = row["engine"] / row["static"]
-    out["modes"][name] = row
-    say(f"batch 1 {name}: engine {row['engine']:.0f} tok/s, static {row['static']:.0f} tok/s, "
-        f"ratio {row['engine_over_static']:.3f}")
+    for _ in range(2):                                                     # compile (the first run and reset)
+      engine.run(requests[:1])
+    best = 0.0
+    for _ in range(args.repeats):
+      t0 = time.perf_counter()
+      tokens = sum(len(engine.run([r]).results[0].tokens) for r in requests)
+      best = max(best, tokens / (time.perf_counter() - t0))
+    out["modes"][name] = {"engine": best}
+    say(f"batch 1 {name}: engine {best:.0f} tok/s")
   return out
 
 

@@ -32,7 +32,8 @@ A request's greedy tokens equal its own AR generation whatever the other slots h
 target's two best float32 logits are within rounding of each other: programs of other shapes (batch,
 verified rows) can break such a near-tie either way, and the request continues from the other token
 (``decode.agreement``: identical or parted at a near-tie, tested; docs/verification.md measures how
-often). Its sampled tokens draw from fold_in(key, step) exactly as ``decode.loop`` / ``decode.speculative`` do.
+often). Its sampled tokens draw from fold_in(key, step): step 0 is the prefill's first token, step s >= 1 its s-th decode
+round (``decode.sampling``).
 """
 from __future__ import annotations
 

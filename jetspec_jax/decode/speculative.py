@@ -1,46 +1,36 @@
-"""The JetSpec speculative generation programs: the head's context prefill, then one ``lax.while_loop``
-whose body is draft -> build tree -> verify -> accept -> commit, with no host round-trip per round
-(``decode.generation.Generator`` runs them after ``decode.loop.prefill``).
+"""The parts of a JetSpec speculative round the engine (``decode.engine``) runs for every decoding slot: the tree
+configuration, the drafter interface (``DraftView``, the head's ``head_drafter``), the round's tree
+(``build_round_tree``) and the acceptance-profile counts (``observe_ranks``).
 
-Invariants at the top of every round (per sequence b):
-  target cache rows 0..prefix_len[b]-1 hold the committed tokens except ``last_token``, so
-  prefix_len[b] = prompt length + num_tokens[b] - 1 <= prompt length + max_new_tokens - 1;
+Invariants at the top of every round (per decoding slot b):
+  target cache rows 0..prefix_len[b]-1 hold the committed tokens except ``last_token``;
   draft context cache rows 0..prefix_len[b]-1 hold those same positions' fused target features;
-  ``last_token`` (the newest committed token) is the anchor of the next block;
-  a finished row (EOS or max_new_tokens) still runs each round (static shapes) but commits nothing: its
-  prefix_len and committed rows stay as they are, and its round writes only rows prefix_len[b] onwards,
-  which ``cache_lengths`` keeps inside the caches.
-Greedy output is identical to plain autoregressive decoding (tested in float32).
+  ``last_token`` (the newest committed token) is the anchor of the next block.
+Greedy output is identical to plain autoregressive decoding (tested in float32 against ``decode.reference``).
 
 At temperature > 0 the round samples instead (``decode.sampling`` processing applied identically
 to the target and the draft): ``accept="match"`` verifies the deterministic top-W tree by one
 target draw per node, ``accept="rejection"`` fills the same-shaped tree with Gumbel-top-k draws
 of the draft and verifies it by recursive rejection sampling; both are lossless (the argument is
-in ``decode.verify``). Round r of sequence b draws from ``round_keys(state)`` =
+in ``decode.verify``). A round of slot b draws from its round keys ``DraftView.keys`` =
 fold_in(key[b], steps + 1), so a drafter can reproduce the tree's Gumbel noise with
-``sampling.draft_gumbel(round_keys(state), D, V)``.
+``sampling.draft_gumbel(view.keys, D, V)``.
 """
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Callable
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 
-from jetspec_jax.attention import cache_rows
-from jetspec_jax.config import Qwen3Config
-from jetspec_jax.decode import sampling, verify
-from jetspec_jax.decode.loop import DecodeState
-from jetspec_jax.decode.verify import commit_tokens
+from jetspec_jax.decode import sampling
 from jetspec_jax.decode.profile import AcceptanceProfile
 from jetspec_jax.decode.tree import TREE_METHODS, build_tree, tree_size
 from jetspec_jax.errors import JetSpecError
 from jetspec_jax.models import draft_head, qwen3
 from jetspec_jax.models.draft_head import DraftConfig
-from jetspec_jax.sharding import whole_vocab
 
 
 ONLINE_MODES = ("off", "batch", "sequence")
@@ -108,28 +98,6 @@ class TreeConfig:
       self.acceptance()                                  # raises when the profile is too shallow or narrow
 
 
-@flax.struct.dataclass
-class SpecState:
-  """DecodeState plus the draft head's context cache and acceptance metrics (per sequence b; W =
-  ``TreeConfig.num_candidates``; the counts are those of ``decode.profile``)."""
-  base: DecodeState
-  draft_cache: qwen3.KVCache
-  rounds: jax.Array         # [B] int32 rounds each sequence took part in
-  depth_hist: jax.Array     # [B, D+1] int32 rounds that accepted exactly d draft tokens
-  depth_visits: jax.Array   # [B, D] int32 rounds whose accepted path reached depth d-1 (depth d observed)
-  rank_hits: jax.Array      # [B, D, W] int32 of those, rounds whose target token at depth d was rank r
-  rank_mass: jax.Array      # [B, D, W] float32 of those, the sum of the draft's probability of rank r
-
-
-def init_state(base: DecodeState, draft_cache: qwen3.KVCache, tree_cfg: TreeConfig) -> SpecState:
-  """The loop state after the prefill: zero rounds and counts."""
-  batch, d = base.last_token.shape[0], tree_cfg.depth
-  return SpecState(base=base, draft_cache=draft_cache, rounds=jnp.zeros((batch,), jnp.int32),
-                   depth_hist=jnp.zeros((batch, d + 1), jnp.int32), depth_visits=jnp.zeros((batch, d), jnp.int32),
-                   rank_hits=jnp.zeros((batch, d, tree_cfg.num_candidates), jnp.int32),
-                   rank_mass=jnp.zeros((batch, d, tree_cfg.num_candidates), jnp.float32))
-
-
 def observe_ranks(tree, acc, new: jax.Array, active: jax.Array):
   """This round's profile counts (visits [B, D], hits [B, D, W] int32, mass [B, D, W] float32) from the
   tree's candidates, the acceptance and the committed tokens new [B, D+1] (new[:, d-1] is the target's
@@ -158,28 +126,11 @@ class DraftView:
 Drafter = Callable[..., tuple[jax.Array, qwen3.KVCache]]
 
 
-def round_keys(state: SpecState) -> jax.Array:
-  """Per-sequence keys [B] of the round about to run on ``state``."""
-  return sampling.step_keys(state.base.key, state.base.steps + 1)
-
-
-def draft_view(state: SpecState) -> DraftView:
-  return DraftView(cache=state.base.cache, draft_cache=state.draft_cache, last_token=state.base.last_token,
-                   prefix_len=state.base.prefix_len, keys=round_keys(state))
-
-
 def head_drafter(target_params, head_params, view: DraftView, *, cfg, head_cfg, tree_cfg, attn_impl, mesh):
   """The JetSpec head: per-depth logits of the block [last_token, mask...] after the context."""
   head = draft_head.bind(head_cfg, head_params)
   return head.draft_logits(qwen3.bind(cfg, target_params), view.draft_cache, view.prefix_len, view.last_token,
                            tree_cfg.depth, attn_impl, mesh)
-
-
-@functools.partial(jax.jit, static_argnames=("head_cfg",), donate_argnames=("draft_cache",))
-def prefill_context(head_params, draft_cache, taps, *, head_cfg):
-  """Fuse the prompt's tapped features into the head's context cache (rows 0..T-1)."""
-  start = jnp.zeros((taps.shape[0],), jnp.int32)
-  return draft_head.bind(head_cfg, head_params).append_context(draft_cache, taps, start)
 
 
 def calibration_counts(tree_cfg: TreeConfig, counts):
@@ -228,69 +179,3 @@ def build_round_tree(anchor, depth_logits, keys, tree_cfg: TreeConfig, *, temper
   if not fixed:          # greedy sequences: build_tree's own top-W tokens, no noise
     tokens = jnp.where(greedy, jax.lax.top_k(jax.nn.log_softmax(shaped, axis=-1), k)[1], tokens)
   return build_tree(anchor, shaped, depth_tokens=tokens, **kw), logp
-
-
-@functools.partial(jax.jit, static_argnames=("cfg", "head_cfg", "tree_cfg", "eos_ids", "attn_impl", "mesh",
-                                             "drafter", "temperature", "top_k", "top_p", "accept"),
-                   donate_argnames=("state",))
-def spec_decode(target_params, head_params, state: SpecState, *, cfg: Qwen3Config, head_cfg: DraftConfig,
-                tree_cfg: TreeConfig, eos_ids: tuple[int, ...], attn_impl: str = "xla", mesh=None,
-                drafter: Drafter = head_drafter, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-                accept: str = "rejection") -> SpecState:
-  """Speculative rounds until every sequence is done (greedy at temperature 0, else sampled with
-  the ``accept`` rule: "match" | "rejection")."""
-  depth = tree_cfg.depth
-  width = tree_cfg.num_candidates
-  head = draft_head.bind(head_cfg, head_params)
-
-  def body(s: SpecState) -> SpecState:
-    b = s.base
-    active = ~b.done
-    # Named scopes (jetspec_<phase>) label each phase's kernels in a profile (bench/gpu_check.py).
-    with jax.named_scope("jetspec_draft"):
-      depth_logits, draft_cache = drafter(target_params, head_params, draft_view(s), cfg=cfg, head_cfg=head_cfg,
-                                          tree_cfg=tree_cfg, attn_impl=attn_impl, mesh=mesh)
-    keys = round_keys(s)
-    if temperature:                          # sampling's per-row sorts want whole rows (sharding.whole_vocab)
-      depth_logits = whole_vocab(depth_logits, mesh)
-    with jax.named_scope("jetspec_tree"):
-      tree, draft_logp = build_round_tree(b.last_token, depth_logits, keys, tree_cfg, temperature=temperature,
-                                          top_k=top_k, top_p=top_p, accept=accept,
-                                          counts=(s.rank_hits, s.rank_mass))
-    with jax.named_scope("jetspec_verify"):
-      logits, cache, taps = verify.verify_tree(target_params, cfg, tree, b.cache, b.prefix_len,
-                                               tap_layers=head_cfg.target_layer_ids, attn_impl=attn_impl, mesh=mesh)
-    with jax.named_scope("jetspec_accept"):
-      if temperature == 0.0:
-        target_next = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-        acc = verify.greedy_accept(tree, target_next, depth)
-      else:
-        acc = verify.sample_accept(tree, whole_vocab(logits, mesh), draft_logp if accept == "rejection" else None,
-                                   keys, rule=accept,
-                                   max_depth=depth, width=width, temperature=temperature, top_k=top_k, top_p=top_p)
-    with jax.named_scope("jetspec_commit"):
-      cache = verify.compact_cache(cache, b.prefix_len, acc.path)
-      path_taps = jnp.take_along_axis(taps, acc.path[:, :, None], axis=1)              # [B, D+1, F]
-      draft_cache = head.append_context(draft_cache, path_taps, b.prefix_len)
-      new, count = verify.accepted_tokens(tree, acc)
-      tokens, num, done, appended = commit_tokens(b.tokens, b.num_tokens, b.done, new, count, eos_ids)
-    # prefix_len grows by the committed tokens only (0 once a row is done; cut at EOS and max_new_tokens), so a
-    # finished row's later rounds write only scratch rows past its prefix, inside the cache (cache_lengths).
-    base = DecodeState(cache=cache, tokens=tokens, num_tokens=num,
-                       last_token=jnp.where(active, acc.correction, b.last_token),
-                       prefix_len=b.prefix_len + appended, done=done, key=b.key,
-                       steps=b.steps + 1)
-    hist = s.depth_hist + (jax.nn.one_hot(acc.depth, depth + 1, dtype=jnp.int32) * active[:, None])
-    visits, hits, mass = observe_ranks(tree, acc, new, active)
-    return SpecState(base=base, draft_cache=draft_cache, rounds=s.rounds + active.astype(jnp.int32),
-                     depth_hist=hist, depth_visits=s.depth_visits + visits, rank_hits=s.rank_hits + hits,
-                     rank_mass=s.rank_mass + mass)
-
-  return jax.lax.while_loop(lambda s: ~jnp.all(s.base.done), body, state)
-
-
-def cache_lengths(prompt_len: int, max_new_tokens: int, head_cfg: DraftConfig, tree_cfg: TreeConfig):
-  """(target, draft) cache sizes: committed rows plus the round's scratch rows (``attention.cache_rows``)."""
-  committed = prompt_len + max_new_tokens
-  return (cache_rows(committed + tree_cfg.num_nodes() + 1),
-          cache_rows(committed + max(head_cfg.block_size, tree_cfg.depth + 1) + 1))

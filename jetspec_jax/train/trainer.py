@@ -25,10 +25,9 @@ from jetspec_jax import convert, files
 from jetspec_jax.checkpoint import CheckpointStore
 from jetspec_jax.config import Qwen3Config, parse_dtype
 from jetspec_jax.distributed import host_values
-from jetspec_jax.errors import JetSpecError
 from jetspec_jax.models import draft_head, qwen3
 from jetspec_jax.models.draft_head import DraftConfig
-from jetspec_jax.sharding import host_mesh, make_mesh, named_sharding
+from jetspec_jax.sharding import host_mesh, named_sharding
 from jetspec_jax.train import objective, runtime
 
 BATCH_FIELDS = ("input_ids", "loss_mask", "segment_ids", "positions")   # each [B, L] int32 (batching.pad_rows)
