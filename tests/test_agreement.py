@@ -8,9 +8,9 @@ import pytest
 
 from greedy import assert_agree
 from jetspec_jax.config import Qwen3Config
-from jetspec_jax.decode import agreement
+from jetspec_jax.decode import agreement, reference
 from jetspec_jax.decode.agreement import TIE_ULPS, compare, first_difference, tie_gap
-from jetspec_jax.decode.generation import Generator
+from jetspec_jax.decode.engine import generate
 from jetspec_jax.decode.speculative import TreeConfig
 from jetspec_jax.models import draft_head, qwen3
 
@@ -22,10 +22,10 @@ NEW = 12
 
 @functools.lru_cache(maxsize=None)
 def base():
-  """Random weights (scaled up so greedy text varies), their AR tokens, and the step K edited below: the first
-  step >= 3 whose token does not occur before it (so the edit changes no earlier choice)."""
+  """Random weights (scaled up so greedy text varies), their greedy tokens (``decode.reference``), and the step K
+  edited below: the first step >= 3 whose token does not occur before it (so the edit changes no earlier choice)."""
   params = {k: np.asarray(v * 20 if v.ndim > 1 else v) for k, v in qwen3.init_target(CFG, jax.random.key(0)).items()}
-  ref = Generator(CFG, params, eos_ids=()).generate([PROMPT], NEW).tokens[0]
+  ref = reference.greedy(CFG, params, PROMPT, NEW)
   k = next(i for i in range(3, NEW) if ref[i] not in ref[:i])
   return params, ref, k
 
@@ -66,7 +66,7 @@ def test_identical_sequences_agree():
 def test_one_ulp_tie_is_accepted_and_the_comparison_stops_there():
   params, a, b = edited(1)
   _, ref, k = base()
-  assert Generator(CFG, params, eos_ids=()).generate([PROMPT], k).tokens[0] == ref[:k]   # the edit moved nothing before k
+  assert reference.greedy(CFG, params, PROMPT, k) == ref[:k]                  # the edit moved nothing before k
   gap, ulps = tie_gap(agreement.last_logits(CFG, params, PROMPT + ref[:k]), a, b)
   assert ulps == 1 and 0 < gap < 1e-5
   other = ref[:k] + [b] + [(t + 1) % CFG.vocab_size for t in ref[k + 1:]]     # and differs at every later token
@@ -103,16 +103,18 @@ def test_a_sequence_that_stops_early_or_goes_on_is_a_failure():
 
 @pytest.mark.parametrize("tree", [TreeConfig("best_nodes", 16, 3, 4), TreeConfig("chain", 1, 1, 4)])
 def test_programs_of_other_shapes_agree_on_the_tied_target(tree):
-  """On the 1-ulp target, speculative decoding and AR at batch 1 and 2 may break the tie either way; by the
-  rule they agree with AR, and anything else they emit would fail."""
+  """On the 1-ulp target, the engine's speculative decoding and AR at batch 1 and 2, and the cache-free reference,
+  may break the tie either way; by the rule they agree with AR, and anything else they emit would fail."""
   params, a, b = edited(1)
   _, ref, k = base()
-  ar = Generator(CFG, params, eos_ids=()).generate([PROMPT, PROMPT[::-1]], NEW).tokens
-  alone = Generator(CFG, params, eos_ids=()).generate([PROMPT], NEW).tokens
+  prompts = [PROMPT, PROMPT[::-1]]
+  ar = generate(CFG, params, prompts, NEW, eos_ids=()).tokens
+  alone = generate(CFG, params, [PROMPT], NEW, eos_ids=()).tokens
   assert ar[0][:k] == ref[:k] and ar[0][k] in (a, b)
   assert_agree(CFG, params, [PROMPT], ar[:1], alone)
+  assert_agree(CFG, params, [PROMPT], ar[:1], [reference.greedy(CFG, params, PROMPT, NEW)])
   hcfg = draft_head.DraftConfig.for_target(CFG, num_layers=1, block_size=5)
-  spec = Generator(CFG, params, head_cfg=hcfg, head_params=draft_head.init_head(hcfg, jax.random.key(1)), tree=tree,
-                   eos_ids=()).generate([PROMPT, PROMPT[::-1]], NEW).tokens
-  result = assert_agree(CFG, params, [PROMPT, PROMPT[::-1]], ar, spec)
+  spec = generate(CFG, params, prompts, NEW, head_cfg=hcfg, head_params=draft_head.init_head(hcfg, jax.random.key(1)),
+                  tree=tree, eos_ids=()).tokens
+  result = assert_agree(CFG, params, prompts, ar, spec)
   assert all(t.token == k and {t.reference_id, t.other_id} == {a, b} for t in result.ties)

@@ -1,13 +1,14 @@
-"""The attention implementations inside the jitted loops: Pallas (interpret mode) == XLA, on a mesh too."""
+"""The attention implementations inside the engine's jitted loop (decode rows and prefill lanes): Pallas
+(interpret mode) == XLA, on a mesh too, and the loop lowers for a GPU with the Triton kernel."""
 import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from jetspec_jax.config import Qwen3Config
-from jetspec_jax.decode.generation import Generator
-from jetspec_jax.decode.prompts import batch_prompts
+from jetspec_jax.decode.engine import Engine, Request, generate
 from jetspec_jax.decode.speculative import TreeConfig
 from jetspec_jax.models import draft_head, qwen3
 from jetspec_jax.sharding import make_mesh
@@ -32,44 +33,58 @@ def place(params, specs, mesh):
   return {k: jax.device_put(v, named_sharding(specs[k].axes, v.shape, mesh)) for k, v in params.items()}
 
 
+def speculative(tp, hcfg, hp, prompts, new, **kw) -> list[list[int]]:
+  """The speculative engine's tokens (one slot per prompt, no EOS)."""
+  return generate(CFG, tp, prompts, new, head_cfg=hcfg, head_params=hp, tree=TREE, eos_ids=(), **kw).tokens
+
+
+def autoregressive(tp, prompts, new, **kw) -> list[list[int]]:
+  return generate(CFG, tp, prompts, new, eos_ids=(), **kw).tokens
+
+
 @functools.lru_cache(maxsize=None)
 def reference():
   tp, hcfg, hp = models()
-  return Generator(CFG, tp, head_cfg=hcfg, head_params=hp, tree=TREE).generate(PROMPTS, 10).tokens
+  return speculative(tp, hcfg, hp, PROMPTS, 10)
 
 
-def test_pallas_interpret_matches_xla_in_the_speculative_loop():
-  tp, hcfg, hp = models()
-  out = Generator(CFG, tp, head_cfg=hcfg, head_params=hp, tree=TREE, attn_impl="pallas_interpret").generate(PROMPTS, 10)
-  assert_agree(CFG, tp, PROMPTS, reference(), out.tokens)
-  ar = Generator(CFG, tp, attn_impl="pallas_interpret").generate(PROMPTS, 10)
-  assert_agree(CFG, tp, PROMPTS, reference(), ar.tokens)
-
-
-def test_the_loops_use_the_kernel_tuning_table_they_are_given(monkeypatch):
-  """With a tuning table in the attention choice, every kernel launch the loops trace takes the table's
-  configuration (here: small tiles and two prefix splits for every problem), and the tokens stay those of XLA."""
-  from jetspec_jax.attention import AttentionImpl
+def record_launches(monkeypatch) -> list:
+  """Every kernel launch traced from here on: (query shape [B, num_q, H, Dh], LaunchShapes)."""
   from pallas_kernels import tree_attention as ta
+  launched, launch = [], ta._launch
+  monkeypatch.setattr(ta, "_launch", lambda *a, shapes, **kw: (launched.append((a[0].shape, shapes)),
+                                                               launch(*a, shapes=shapes, **kw))[1])
+  return launched
+
+
+def test_pallas_interpret_matches_xla_in_the_engine():
+  tp, hcfg, hp = models()
+  assert_agree(CFG, tp, PROMPTS, reference(), speculative(tp, hcfg, hp, PROMPTS, 10, attn_impl="pallas_interpret"))
+  assert_agree(CFG, tp, PROMPTS, reference(), autoregressive(tp, PROMPTS, 10, attn_impl="pallas_interpret"))
+
+
+def test_the_engine_uses_the_kernel_tuning_table_it_is_given(monkeypatch):
+  """With a tuning table in the attention choice, every kernel launch the engine traces (decode rows and prefill
+  lanes) takes the table's configuration (here: small tiles and two prefix splits for every problem), and the
+  tokens stay those of XLA."""
+  from jetspec_jax.attention import AttentionImpl
   from pallas_kernels import tuning
   config = tuning.LaunchConfig(block_r=16, block_k=16, num_warps=2, num_stages=3, num_splits=2)
   impl = AttentionImpl("pallas_interpret", tuning.KernelTuning(rules=((1, config),)))
-  launched = []
-  launch = ta._launch
-  monkeypatch.setattr(ta, "_launch", lambda *a, shapes, **kw: (launched.append(shapes), launch(*a, shapes=shapes, **kw))[1])
+  launched = record_launches(monkeypatch)
   tp, hcfg, hp = models()
   new = 7                                  # shapes no other test traces: nothing compiled earlier is reused
-  ref = Generator(CFG, tp, head_cfg=hcfg, head_params=hp, tree=TREE).generate(PROMPTS, new).tokens
-  kernel = Generator(CFG, tp, head_cfg=hcfg, head_params=hp, tree=TREE, attn_impl=impl)
-  out = kernel.generate(PROMPTS, new)
-  assert_agree(CFG, tp, PROMPTS, ref, out.tokens)
-  assert_agree(CFG, tp, PROMPTS, ref, Generator(CFG, tp, attn_impl=impl).generate(PROMPTS, new).tokens)
-  assert launched and all((s.block_r, s.block_k, s.num_warps, s.num_stages, s.num_splits) == (16, 16, 2, 3, 2)
-                          for s in launched)
+  ref = speculative(tp, hcfg, hp, PROMPTS, new)
+  assert_agree(CFG, tp, PROMPTS, ref, speculative(tp, hcfg, hp, PROMPTS, new, attn_impl=impl))
+  assert_agree(CFG, tp, PROMPTS, ref, autoregressive(tp, PROMPTS, new, attn_impl=impl))
+  assert {q[1] for q, _ in launched} >= {TREE.num_nodes(), 1, 8}          # tree rows, AR rows, the lanes' 8 rows
+  assert all((s.block_r, s.block_k, s.num_warps, s.num_stages, s.num_splits) == (16, 16, 2, 3, 2)
+             for _, s in launched)
 
 
 @pytest.mark.parametrize("impl", ["xla", "pallas_interpret"])
-def test_speculative_loop_on_a_2x2_mesh(impl):
+def test_speculative_engine_on_a_2x2_mesh(impl):
+  """Two groups of slots over the data axis, heads over the model axis (the kernel per shard)."""
   if jax.device_count() < 4:
     pytest.skip("needs 4 devices (XLA_FLAGS=--xla_force_host_platform_device_count=8)")
   tp, hcfg, hp = models()
@@ -77,8 +92,8 @@ def test_speculative_loop_on_a_2x2_mesh(impl):
   tp = place(tp, qwen3.param_specs(CFG), mesh)
   hp = place(hp, draft_head.param_specs(hcfg), mesh)
   assert "model" in str(tp["layers.0.attn.q_proj"].sharding.spec)
-  out = Generator(CFG, tp, head_cfg=hcfg, head_params=hp, tree=TREE, attn_impl=impl, mesh=mesh).generate(PROMPTS, 10)
-  assert_agree(CFG, tp, PROMPTS, reference(), out.tokens)
+  out = speculative(tp, hcfg, hp, PROMPTS, 10, attn_impl=impl, mesh=mesh, groups=2)
+  assert_agree(CFG, tp, PROMPTS, reference(), out)
 
 
 def _long_prompts():
@@ -86,44 +101,31 @@ def _long_prompts():
   return [rng.integers(1, CFG.vocab_size, size=560).tolist(), rng.integers(1, CFG.vocab_size, size=300).tolist()]
 
 
-def test_prefix_splits_in_the_loops_match_xla():
-  """Long prompts make the kernel split the prefix (flash-decoding) in verify and AR steps alike."""
-  from pallas_kernels.tree_attention import launch_shapes
-  from jetspec_jax.decode.speculative import cache_lengths
+def test_prefix_splits_in_the_engine_match_xla(monkeypatch):
+  """Long prompts make the kernel split the prefix (flash-decoding) for tree rows and AR rows alike."""
   tp, hcfg, hp = models()
   prompts, new = _long_prompts(), 8
-  target_len, _ = cache_lengths(560, new, hcfg, TREE)
-  for num_q in (TREE.num_nodes(), 1):
-    shapes = launch_shapes(2, num_q, CFG.num_attention_heads, CFG.num_key_value_heads, CFG.head_dim,
-                           cache_len=target_len - num_q)
-    assert shapes.num_splits >= 2
-  ref = Generator(CFG, tp, head_cfg=hcfg, head_params=hp, tree=TREE).generate(prompts, new).tokens
-  kernel = Generator(CFG, tp, head_cfg=hcfg, head_params=hp, tree=TREE, attn_impl="pallas_interpret")
-  out = kernel.generate(prompts, new)
-  assert_agree(CFG, tp, prompts, ref, out.tokens)
-  assert_agree(CFG, tp, prompts, ref, Generator(CFG, tp, attn_impl="pallas_interpret").generate(prompts, new).tokens)
+  launched = record_launches(monkeypatch)
+  ref = speculative(tp, hcfg, hp, prompts, new)
+  assert_agree(CFG, tp, prompts, ref, speculative(tp, hcfg, hp, prompts, new, attn_impl="pallas_interpret"))
+  assert_agree(CFG, tp, prompts, ref, autoregressive(tp, prompts, new, attn_impl="pallas_interpret"))
+  assert {q[1] for q, s in launched if s.num_splits >= 2} >= {TREE.num_nodes(), 1}
 
 
-def test_decode_loops_lower_for_cuda_with_the_kernel(triton_modules):
-  """The whole jitted speculative loop and AR loop, attention "pallas", lower for a GPU on this CPU
-  machine, and every Triton module they contain verifies."""
-  from jetspec_jax.decode import loop, speculative
+def test_the_engine_loop_lowers_for_cuda_with_the_kernel(triton_modules):
+  """The whole jitted engine loop (``Engine.step``'s program: prefill lanes, tree verification; and AR), attention
+  "pallas", lowers for a GPU on this CPU machine, and every Triton module it contains verifies."""
+  from jetspec_jax.decode.engine import run_rounds
   tp, hcfg, hp = models()
-  tokens, lengths = batch_prompts(PROMPTS, CFG.vocab_size)
-  target_len, draft_len = speculative.cache_lengths(tokens.shape[1], 10, hcfg, TREE)
-  base, taps = loop.prefill(tp, qwen3.init_cache(CFG, 2, target_len, tp["embed"].dtype), tokens, lengths,
-                            jax.random.key(0), cfg=CFG, max_new_tokens=10, eos_ids=(), temperature=0.0,
-                            attn_impl="xla", tap_layers=hcfg.target_layer_ids)
-  draft_cache = speculative.prefill_context(hp, draft_head.init_context_cache(hcfg, 2, draft_len, hp["fc"].dtype),
-                                            taps, head_cfg=hcfg)
-  state = speculative.init_state(base, draft_cache, TREE)
-  with cuda_target():
-    lowered = {
-        "speculative": speculative.spec_decode.trace(tp, hp, state, cfg=CFG, head_cfg=hcfg, tree_cfg=TREE,
-                                                     eos_ids=(), attn_impl="pallas"),
-        "ar": loop.ar_decode.trace(tp, base, cfg=CFG, eos_ids=(), temperature=0.0, attn_impl="pallas"),
-    }
-    texts = {name: traced.lower(lowering_platforms=("cuda",)).as_text() for name, traced in lowered.items()}
+  requests = [Request(p, 10) for p in PROMPTS]
+  texts = {}
+  for name, kw in (("speculative", dict(head_cfg=hcfg, head_params=hp, tree=TREE)), ("ar", {})):
+    engine = Engine.for_requests(CFG, tp, requests, slots=2, prefill_rows=8, eos_ids=(), attn_impl="pallas", **kw)
+    engine.start()
+    rounds = jnp.int32(1)
+    with cuda_target():
+      traced = run_rounds.trace(engine.params, engine.head_params, engine.state, rounds, **engine._run_kwargs())
+      texts[name] = traced.lower(lowering_platforms=("cuda",)).as_text()
   for name, text in texts.items():
     assert "__gpu$xla.gpu.triton" in text, name    # (one kernel function, called by every layer)
   assert triton_modules and all(error is None for _, error in triton_modules), triton_modules

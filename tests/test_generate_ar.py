@@ -1,4 +1,4 @@
-"""The jitted autoregressive loop against transformers greedy ``generate`` (float32)."""
+"""The engine's autoregressive decoding (no draft head) against transformers greedy ``generate`` (float32)."""
 import dataclasses
 
 import numpy as np
@@ -7,7 +7,7 @@ import torch
 
 import hf_fixtures
 from greedy import assert_agree
-from jetspec_jax.decode.generation import Generator
+from jetspec_jax.decode.engine import generate
 from jetspec_jax.errors import JetSpecError
 
 NAME = "dense_gqa4"       # untied, GQA 4, head_dim != hidden/heads, theta 500
@@ -45,15 +45,15 @@ def test_the_reference_decoder_matches_transformers(target, hf_reference):
 
 def test_batch1_matches_transformers(target, hf_reference):
   cfg, params = target
-  out = Generator(cfg, params).generate([PROMPTS[0]], MAX_NEW)
+  out = generate(cfg, params, [PROMPTS[0]], MAX_NEW)
   assert_agree(cfg, params, PROMPTS[:1], hf_reference[:1], out.tokens)
-  assert out.num_tokens.tolist() == [MAX_NEW]
-  assert out.target_forwards == MAX_NEW
+  assert [len(t) for t in out.tokens] == [MAX_NEW]
+  assert out.rounds == MAX_NEW and out.results[0].steps == MAX_NEW - 1    # one target forward per token
 
 
 def test_batch3_ragged_prompts_match_transformers(target, hf_reference):
   cfg, params = target
-  out = Generator(cfg, params).generate(PROMPTS, MAX_NEW)
+  out = generate(cfg, params, PROMPTS, MAX_NEW)
   assert_agree(cfg, params, PROMPTS, hf_reference, out.tokens)
 
 
@@ -71,7 +71,7 @@ def test_batch3_matches_transformers_left_padded_batch(target, hf_reference):
     hf = model.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, do_sample=False,
                         eos_token_id=None, pad_token_id=0)[:, width:].tolist()
   assert_agree(cfg, params, PROMPTS, hf_reference, hf)
-  out = Generator(cfg, params).generate(PROMPTS, MAX_NEW)
+  out = generate(cfg, params, PROMPTS, MAX_NEW)
   assert_agree(cfg, params, PROMPTS, hf, out.tokens)
 
 
@@ -91,9 +91,9 @@ def test_eos_stops_right_after_it_like_transformers(target, hf_reference):
   assert expected[-1] == eos and eos not in expected[:-1]
   hf = hf_fixtures.hf_greedy(model, PROMPTS[0], MAX_NEW, eos_id=eos)
   assert hf == expected, "transformers includes the EOS and stops"
-  out = Generator(cfg, params, eos_ids=[eos]).generate([PROMPTS[0]], MAX_NEW)
+  out = generate(cfg, params, [PROMPTS[0]], MAX_NEW, eos_ids=[eos])
   if assert_agree(cfg, params, PROMPTS[:1], [expected], out.tokens).identical:    # not parted at a near-tie
-    assert out.target_forwards == k + 1
+    assert out.rounds == k + 1
 
 
 def test_eos_in_a_batch_stops_only_that_row(target, hf_reference):
@@ -101,7 +101,7 @@ def test_eos_in_a_batch_stops_only_that_row(target, hf_reference):
   cfg, params = target
   eos, k = _eos_choice(hf_reference[0])
   cfg = dataclasses.replace(cfg, eos_token_ids=(eos,))
-  out = Generator(cfg, params).generate(PROMPTS, MAX_NEW)
+  out = generate(cfg, params, PROMPTS, MAX_NEW)
   expected = [ref[:ref.index(eos) + 1] if eos in ref else ref for ref in hf_reference]
   assert expected[0] == hf_reference[0][:k + 1]
   assert_agree(cfg, params, PROMPTS, expected, out.tokens)
@@ -111,16 +111,16 @@ def test_moe_batch1_matches_transformers(jax_target):
   cfg, params = jax_target("moe_norm")
   prompt = [7, 1, 90, 33, 12]
   ref = hf_fixtures.hf_greedy(hf_fixtures.named_model("moe_norm"), prompt, 10)
-  out = Generator(cfg, params).generate([prompt], 10)
+  out = generate(cfg, params, [prompt], 10)
   assert_agree(cfg, params, [prompt], [ref], out.tokens)
 
 
 def test_bad_prompts_raise(target):
   cfg, params = target
-  with pytest.raises(JetSpecError, match="at least one token"):
-    Generator(cfg, params).generate([[1, 2], []], 2)
-  with pytest.raises(JetSpecError, match="outside the vocabulary"):
-    Generator(cfg, params).generate([[1, cfg.vocab_size]], 2)
+  with pytest.raises(JetSpecError, match="request 1 has an empty prompt"):
+    generate(cfg, params, [[1, 2], []], 2)
+  with pytest.raises(JetSpecError, match="request 0: token id .* outside the vocabulary"):
+    generate(cfg, params, [[1, cfg.vocab_size]], 2)
 
 
 def test_bfloat16_generation_runs_on_cpu(hf_dir):
@@ -128,6 +128,6 @@ def test_bfloat16_generation_runs_on_cpu(hf_dir):
   from jetspec_jax import convert
   cfg, params, _ = convert.load_target(hf_dir("dense", "bfloat16"))
   assert cfg.num_key_value_heads == 2
-  out = Generator(cfg, params).generate([[1, 2, 3], [4, 5]], 5)
+  out = generate(cfg, params, [[1, 2, 3], [4, 5]], 5)
   assert [len(t) for t in out.tokens] == [5, 5]
   assert all(0 <= t < cfg.vocab_size for row in out.tokens for t in row)

@@ -18,7 +18,8 @@ from greedy import assert_agree
 from jetspec_jax import sharding
 from jetspec_jax.bench import hlo_dot_flops, largest_array, loop_report
 from jetspec_jax.config import Qwen3Config
-from jetspec_jax.decode.generation import Generator
+from jetspec_jax.decode import reference
+from jetspec_jax.decode.engine import generate
 from jetspec_jax.decode.speculative import TreeConfig
 from jetspec_jax.models import draft_head, moe, qwen3
 from jetspec_jax.models.params import declared_specs
@@ -335,12 +336,15 @@ def moe_target():
 
 
 def test_speculative_is_lossless_on_moe_target():
-  """Greedy JetSpec on an MoE target (tree verification and AR decode through the dispatch) == AR."""
+  """Greedy JetSpec on an MoE target (tree verification, prefill lanes and AR decode rows through the dispatch)
+  == the engine's AR == the target's own greedy tokens (``decode.reference``)."""
   prompts = [[1, 2, 3, 4, 5], [9, 10, 11, 12, 13, 14, 15, 16]]
   hcfg = draft_head.DraftConfig.for_target(MOE, num_layers=1, block_size=5)
   hparams = draft_head.init_head(hcfg, jax.random.key(1))
-  ar = Generator(MOE, moe_target()).generate(prompts, 14).tokens
-  assert len({tuple(t) for t in ar}) == 2 and all(len(set(t)) > 3 for t in ar)
-  out = Generator(MOE, moe_target(), head_cfg=hcfg, head_params=hparams,
-                  tree=TreeConfig("accum_logp", 16, 3, 4)).generate(prompts, 14)
-  assert_agree(MOE, moe_target(), prompts, ar, out.tokens)
+  ref = [reference.greedy(MOE, moe_target(), p, 14) for p in prompts]
+  assert len({tuple(t) for t in ref}) == 2 and all(len(set(t)) > 3 for t in ref)
+  ar = generate(MOE, moe_target(), prompts, 14, eos_ids=()).tokens
+  assert_agree(MOE, moe_target(), prompts, ref, ar)
+  spec = generate(MOE, moe_target(), prompts, 14, head_cfg=hcfg, head_params=hparams,
+                  tree=TreeConfig("accum_logp", 16, 3, 4), eos_ids=()).tokens
+  assert_agree(MOE, moe_target(), prompts, ref, spec)

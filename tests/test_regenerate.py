@@ -10,7 +10,7 @@ import pytest
 
 from jetspec_jax import tokenizer as tok_lib
 from jetspec_jax.config import Qwen3Config
-from jetspec_jax.decode.generation import Generator
+from jetspec_jax.decode.reference import greedy
 from jetspec_jax.errors import JetSpecError
 from jetspec_jax.models import qwen3
 from jetspec_jax.train import regenerate as regen
@@ -59,7 +59,7 @@ def target(tok):
                               else 0.3 * rng.standard_normal(spec.shape), jnp.float32)
             for name, spec in qwen3.param_specs(cfg).items()}
   prompt = ChatEncoder(tok).prompt_ids(source_conversations()[0][:1])
-  first = Generator(cfg, params, eos_ids=()).generate([prompt], MAX_NEW).tokens[0]
+  first = greedy(cfg, params, prompt, MAX_NEW)
   return Qwen3Config(**{**cfg.__dict__, "eos_token_ids": (first[2],)}), params
 
 
@@ -119,7 +119,7 @@ def test_regenerate_resumes_exactly_once_and_matches_greedy(tmp_path, tok, targe
       if m["role"] == "assistant":
         prompts.append(enc.prompt_ids(msgs[:i]))
         contents.append(m["content"])
-  reference = Generator(cfg, params, eos_ids=eos).generate(prompts, MAX_NEW).tokens
+  reference = [greedy(cfg, params, p, MAX_NEW, eos) for p in prompts]
   generated = [m["token_ids"] for r in rows for m in r["messages"] if m["role"] == "assistant"]
   for ids, content, kept in zip(reference, contents, generated):
     assert kept == (ids[:-1] if ids[-1] in eos else ids) and content == tok.decode(kept)

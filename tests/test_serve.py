@@ -1,12 +1,13 @@
 """The OpenAI-compatible server on a tiny target with a chat tokenizer and a draft head, all made here:
 completions and chat completions, streamed or not, through the ``openai`` package and raw HTTP, equal
-``generate``'s greedy tokens; sampled requests (their own temperature, top_p, top_k, seed) beside greedy
-ones equal the engine's offline answers and repeat with their seed; concurrent streams do not mix; a server
-compiled for one sampling setting refuses others; stop strings cut the text; a client that
+the target's greedy tokens (``decode.reference``); sampled requests (their own temperature, top_p, top_k,
+seed) beside greedy ones equal the engine's offline answers and repeat with their seed; concurrent streams
+do not mix; a server compiled for one sampling setting refuses others; stop strings cut the text; a client that
 leaves frees its slot; bad input gets a 4xx with an OpenAI-style body (written to
 docs/serving_bad_input.md); SIGTERM drains the requests in flight and exits 0."""
 import concurrent.futures
 import dataclasses
+import functools
 import json
 import os
 import re
@@ -26,7 +27,7 @@ import pytest
 from jetspec_jax import convert, serve
 from jetspec_jax.config import Qwen3Config
 from jetspec_jax.decode.engine import Engine, EnginePlan, Request
-from jetspec_jax.decode.generation import Generator
+from jetspec_jax.decode.reference import greedy
 from jetspec_jax.decode.sampling import SamplingConfig
 from jetspec_jax.decode.speculative import TreeConfig
 from jetspec_jax.driver import Driver
@@ -58,12 +59,20 @@ def model_dir(tmp_path_factory):
   return str(root / "target"), str(root / "head")
 
 
+REFERENCE_TOKENS = 120        # the most any test compares: one reference program per prompt width
+
+
 @pytest.fixture(scope="module")
 def reference(model_dir):
-  """reference(prompt ids, max_tokens) -> generate's greedy tokens (the Generator call the CLI makes)."""
+  """reference(prompt ids, max_tokens) -> the target's greedy tokens (``decode.reference``), ending at its EOS: the
+  first max_tokens of one longer greedy run per prompt."""
   cfg, params, _ = convert.load_target(model_dir[0])
-  gen = Generator(cfg, params)
-  return lambda ids, n: gen.generate([ids], n).tokens[0]
+  run = functools.lru_cache(maxsize=None)(lambda ids: greedy(cfg, params, ids, REFERENCE_TOKENS, cfg.eos_token_ids))
+
+  def tokens(ids, n):
+    assert n <= REFERENCE_TOKENS
+    return run(tuple(ids))[:n]
+  return tokens
 
 
 TREE = TreeConfig("best_nodes", 6, 2, 3)
@@ -121,7 +130,7 @@ def sse(lines) -> list[dict]:
   raise AssertionError("the stream ended without data: [DONE]")
 
 
-def test_answers_equal_generate(server, reference):
+def test_answers_equal_the_greedy_tokens(server, reference):
   url, service, _ = server
   tok = service.tokenizer
   api = client(url)
@@ -181,7 +190,7 @@ def test_concurrent_streams_do_not_mix(server, reference):
 
 def test_sampled_requests_follow_their_own_settings(server, model_dir, reference):
   """Greedy and sampled requests at once (streamed and not): each sampled answer equals the engine's offline
-  tokens for its settings and key(seed), the same request again repeats it, and greedy equals generate."""
+  tokens for its settings and key(seed), the same request again repeats it, and greedy equals the reference."""
   url, service, _ = server
   tok = service.tokenizer
   settings = [dict(temperature=1.5, top_p=0.9, seed=1), dict(temperature=2.0, top_k=5, seed=2),

@@ -9,7 +9,8 @@ import hf_fixtures
 from greedy import assert_agree
 from jetspec_jax import convert, sharding
 from jetspec_jax.config import Qwen3Config
-from jetspec_jax.decode.generation import Generator
+from jetspec_jax.decode import reference
+from jetspec_jax.decode.engine import generate
 from jetspec_jax.errors import JetSpecError
 from jetspec_jax.models import qwen3
 
@@ -99,16 +100,19 @@ def test_host_mesh_lays_the_model_axis_inside_a_host():
 
 @pytest.mark.parametrize("data,model,batch", [(2, 4, 4), (4, 2, 3)])
 def test_sharded_generation_equals_unsharded(data, model, batch, hf_dir, jax_target):
-  """2x4: batch sharded, KV heads replicated; 4x2: batch 3 replicated, KV heads sharded."""
+  """The engine with one group of slots per data shard == the unsharded greedy tokens (``decode.reference``, which
+  agree with transformers). 2x4: 2 slots per shard, KV heads replicated; 4x2: one slot per shard (one shard idle:
+  3 prompts), KV heads sharded."""
   cfg, ref_params = jax_target("shard_dense")
   prompts = [[1, 2, 3, 4, 5], [9, 8], [40, 41, 42], [77]][:batch]
-  ref = Generator(cfg, ref_params).generate(prompts, 6)
+  ref = [reference.greedy(cfg, ref_params, p, 6, cfg.eos_token_ids) for p in prompts]
   hf = [hf_fixtures.hf_greedy(hf_fixtures.named_model("shard_dense"), p, 6) for p in prompts]
-  assert_agree(cfg, ref_params, prompts, hf, ref.tokens)
+  assert_agree(cfg, ref_params, prompts, hf, ref)
   mesh = sharding.make_mesh(data, model)
   _, params, _ = convert.load_target(hf_dir("shard_dense"), jnp.float32, mesh)
-  out = Generator(cfg, params, mesh=mesh).generate(prompts, 6)
-  assert_agree(cfg, ref_params, prompts, ref.tokens, out.tokens)
+  out = generate(cfg, params, prompts, 6, slots=-(-batch // data) * data, groups=data, mesh=mesh)
+  assert all(r.admitted == 0 for r in out.results)                         # every prompt in a slot at once
+  assert_agree(cfg, ref_params, prompts, ref, out.tokens)
 
 
 def test_converted_checkpoint_restores_into_another_mesh(hf_dir, jax_target, tmp_path):

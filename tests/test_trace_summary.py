@@ -34,11 +34,11 @@ def gpu_trace(tmp_path):
       {"ph": "M", "pid": 2, "name": "process_name", "args": {"name": "/device:GPU:0"}},
       {"ph": "M", "pid": 2, "tid": 10, "name": "thread_name", "args": {"name": "Stream #13(Compute)"}},
       {"ph": "M", "pid": 2, "tid": 11, "name": "thread_name", "args": {"name": "Stream #14(Compute)"}},
-      op("PjitFunction(spec_decode)", 100, 500, pid=1, tid=1),
+      op("PjitFunction(run_rounds)", 100, 500, pid=1, tid=1),
       op("prefill_fusion", 50, 20),
       op("while.5", 100, 80),
-      op("gemm", 100, 40, name="jit(spec_decode)/while/body/jetspec_verify/dot_general", hlo_op="gemm.1"),
-      op("gemm", 150, 20, name="jit(spec_decode)/while/body/jetspec_draft/dot_general", hlo_op="gemm.2"),
+      op("gemm", 100, 40, name="jit(run_rounds)/while/body/jetspec_verify/dot_general", hlo_op="gemm.1"),
+      op("gemm", 150, 20, name="jit(run_rounds)/while/body/jetspec_draft/dot_general", hlo_op="gemm.2"),
       op("softmax", 130, 30, tid=11, long_name="jetspec_accept/jetspec_verify/exp", correlation_id=7),
       op("memcpy", 200, 10),
   ])
@@ -46,7 +46,7 @@ def gpu_trace(tmp_path):
 
 
 def test_synthetic_gpu_trace_exact_numbers(gpu_trace):
-  s = trace_summary.summarize(gpu_trace, phases=PHASES, rounds=2, top=2, after="PjitFunction(spec_decode)")
+  s = trace_summary.summarize(gpu_trace, phases=PHASES, rounds=2, top=2, after="PjitFunction(run_rounds)")
   assert s["source"] == "device"
   # ops: gemm 40 + gemm 20 + softmax 30 + memcpy 10 (the while contains gemms: dropped; prefill: before `after`)
   assert s["events"] == 2 and s["total_us"] == 50
@@ -70,7 +70,7 @@ def test_without_after_the_whole_trace_counts_and_a_missing_event_raises(gpu_tra
   s = trace_summary.summarize(gpu_trace)
   assert s["events"] == 5 and s["span_us"] == 160 and s["busy_us"] == 100
   with pytest.raises(ValueError, match="PjitFunction"):
-    trace_summary.summarize(gpu_trace, after="PjitFunction(ar_decode)")
+    trace_summary.summarize(gpu_trace, after="PjitFunction(generate)")
 
 
 def test_real_cpu_trace(tmp_path):

@@ -212,7 +212,7 @@ def test_compiles_for_h200(num_q, head_dim, launch):
   assert compiled.memory_analysis().temp_size_in_bytes < 64 << 20
 
 
-# --- inside the decode loops ----------------------------------------------------------------------------
+# --- inside the engine ----------------------------------------------------------------------------------
 
 def _f16_models():
   from jetspec_jax.config import Qwen3Config
@@ -226,21 +226,21 @@ def _f16_models():
 
 
 @interpreter
-def test_decode_loops_give_the_xla_tokens():
-  """A float16 model's greedy AR and speculative loops (prefill chunk, tree verification, AR steps) with
+def test_the_engine_gives_the_xla_tokens():
+  """A float16 model's greedy AR and speculative engines (prefill lanes, tree verification, AR rows) with
   ``--attention mosaic_interpret`` give the tokens of ``--attention xla``. Equal tokens need every
   greedy choice's top-1/top-2 logit gap to exceed the kernel's rounding difference: along these
   tokens the smallest gap is 0.106 (logits up to ~8; measured teacher-forced with XLA). The prompt
   [2, 7] has a gap of 0.015, and there, in bfloat16, the kernel's rounding of p flipped a token."""
-  from jetspec_jax.decode.generation import Generator
+  from jetspec_jax.decode.engine import generate
   from jetspec_jax.decode.speculative import TreeConfig
   cfg, tp, hcfg, hp = _f16_models()
   prompts, tree = [[3, 1, 4, 1, 5, 9], [2, 7, 1, 8]], TreeConfig("accum_logp", 8, 3, 3)
-  ref = Generator(cfg, tp, head_cfg=hcfg, head_params=hp, tree=tree).generate(prompts, 6).tokens
+  spec = dict(head_cfg=hcfg, head_params=hp, tree=tree)
+  ref = generate(cfg, tp, prompts, 6, eos_ids=(), **spec).tokens
   assert len({tuple(t) for t in ref}) == 2
-  spec = Generator(cfg, tp, head_cfg=hcfg, head_params=hp, tree=tree, attn_impl="mosaic_interpret")
-  assert spec.generate(prompts, 6).tokens == ref
-  assert Generator(cfg, tp, attn_impl="mosaic_interpret").generate(prompts, 6).tokens == ref
+  assert generate(cfg, tp, prompts, 6, eos_ids=(), attn_impl="mosaic_interpret", **spec).tokens == ref
+  assert generate(cfg, tp, prompts, 6, eos_ids=(), attn_impl="mosaic_interpret").tokens == ref
 
 
 def test_attention_names_the_kernel():
@@ -262,7 +262,7 @@ def test_interpret_mode_needs_jax_0_12():
 @pytest.mark.parametrize("num_q", [1, 16])
 def test_compiles_for_h200_at_a_decode_shard_shape(num_q):
   """One tensor-parallel shard of Qwen3-8B decoding (4 query heads, 1 kv head) over a cache whose length is a
-  multiple of 8 but not of the key block (the last block shifted back), as the decode loops allocate."""
+  multiple of 8 but not of the key block (the last block shifted back), as the engine allocates."""
   pytest.importorskip("jax_plugins.xla_cuda12", reason="compiling for an H200 needs the CUDA plugin (jax[cuda12])")
   spec = jax.ShapeDtypeStruct
   cache = spec((1, 1, 4104, 128), jnp.bfloat16)
