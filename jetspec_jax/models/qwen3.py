@@ -122,8 +122,9 @@ class Qwen3(nnx.Module):
   def logits(self, h: jax.Array) -> jax.Array:
     """Final-normed hidden states [..., H] -> float32 logits [..., V] (tied or untied head)."""
     with jax.named_scope("lm_head"):
-      w = self.embed[...].T if self.lm_head is None else self.lm_head[...]
-      return jnp.einsum("...h,hv->...v", h, w, preferred_element_type=jnp.float32)
+      if self.lm_head is None:                # tied: contract with the table's rows (no transposed copy of it)
+        return jnp.einsum("...h,vh->...v", h, self.embed[...], preferred_element_type=jnp.float32)
+      return jnp.einsum("...h,hv->...v", h, self.lm_head[...], preferred_element_type=jnp.float32)
 
 
 TARGET = P.Declared(Qwen3)
