@@ -485,10 +485,11 @@ def engine_round(target_params, head_params, s: EngineState, *, plan: EnginePlan
       lane_tokens = jnp.zeros((0, c), jnp.int32)
     # Decode rows are written at prefix_len: past every committed row (a prefilling slot's lanes write after them).
     packed = PackedRows(slot=slot, node=node, lane_slot=lane_slot, lane_start=lane_start, write_start=s.prefix_len,
-                        slots_per_group=per, span=n, lane_rows=c, key_len=key_len)
+                        slots_per_group=per, span=n, lane_rows=c, key_len=key_len, dense=not plan.budget_binds)
     chosen = packed.scatter(live[..., None])[..., 0]                                   # [B, N]
     mask = (dec_mask & chosen[:, None, :]) | jnp.eye(n, dtype=bool)[None]
-    flat_rows = lambda x: jnp.take_along_axis(x.reshape(plan.groups, per * n), index, axis=1)
+    flat_rows = ((lambda x: x.reshape(plan.groups, per * n)) if packed.dense else
+                 (lambda x: jnp.take_along_axis(x.reshape(plan.groups, per * n), index, axis=1)))
     lane_pos = packed.lane_start.reshape(-1)[:, None] + jnp.arange(c)[None, :]
     join = lambda dec_rows, lane_rows: jnp.concatenate([dec_rows, lane_rows.reshape(plan.groups, -1)], axis=1)
 

@@ -65,7 +65,9 @@ class PackedRows:
   contiguous write per sequence; rows of unchosen nodes hold zeros), a lane's rows at its own rows; nothing
   else of the cache is touched. Every write precedes every read of the layer's cache (XLA then updates the
   loop's cache buffers in place instead of copying them). ``key_len`` (None: all): attention reads only the
-  cache's first key_len rows (the caller guarantees no row sees past them)."""
+  cache's first key_len rows (the caller guarantees no row sees past them). ``dense``: the decode rows are
+  every sequence's W rows in order (slot = k // W, node = k % W), so the [B, W] layout is a reshape; rows
+  the caller did not choose then carry values instead of zeros (they must be ignored, as always)."""
   slot: jax.Array                 # [G, K] int32
   node: jax.Array                 # [G, K] int32
   lane_slot: jax.Array            # [G, L] int32
@@ -75,9 +77,12 @@ class PackedRows:
   span: int = flax.struct.field(pytree_node=False)
   lane_rows: int = flax.struct.field(pytree_node=False)
   key_len: int | None = flax.struct.field(pytree_node=False, default=None)
+  dense: bool = flax.struct.field(pytree_node=False, default=False)
 
   def scatter(self, x: jax.Array) -> jax.Array:
     """Decode rows [G, K, ...] -> [B, W, ...] (zeros where no packed row lands)."""
+    if self.dense:
+      return x.reshape((-1, self.span) + x.shape[2:])
     def one(xg, slot, node):
       out = jnp.zeros((self.slots_per_group, self.span) + xg.shape[1:], xg.dtype)
       return out.at[slot, node].set(xg, mode="drop")
@@ -86,6 +91,8 @@ class PackedRows:
 
   def gather(self, y: jax.Array) -> jax.Array:
     """[B, W, ...] -> decode rows [G, K, ...] (padding rows read row 0 of the group's last slot)."""
+    if self.dense:
+      return y.reshape((self.slot.shape[0], -1) + y.shape[2:])
     y = self.by_group(y)
     slot = jnp.minimum(self.slot, self.slots_per_group - 1)
     return jax.vmap(lambda yg, s, n: yg[s, n])(y, slot, self.node)
