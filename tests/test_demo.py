@@ -13,7 +13,7 @@ import pytest
 
 from jetspec_jax import banks, convert, demo, stages
 from jetspec_jax.checkpoint import CheckpointStore
-from jetspec_jax.decode.generation import Generator, acceptance
+from jetspec_jax.decode.engine import acceptance, generate
 from jetspec_jax.decode.speculative import TreeConfig
 from jetspec_jax.models import draft_head, qwen3
 from jetspec_jax.tokenizer import load_tokenizer
@@ -109,8 +109,8 @@ def test_trained_head_beats_untrained_on_its_training_prompts(result):
   cfg, params, _ = convert.load_target(os.path.join(root, "target_ckpt"), jnp.float32)
   head_cfg, head = convert.load_head(result["head_dir"], jnp.float32, target_cfg=cfg)
   tree = TreeConfig("accum_logp", 64, 4, head_cfg.depth)
-  tau = lambda hp: acceptance([Generator(cfg, params, head_cfg=head_cfg, head_params=hp, tree=tree,
-                                               eos_ids=()).generate(prompts, 48)])["tau"]
+  tau = lambda hp: acceptance(generate(cfg, params, prompts, 48, head_cfg=head_cfg, head_params=hp, tree=tree,
+                                       eos_ids=()).results)["tau"]
   trained, untrained = tau(head), tau(draft_head.init_head(head_cfg, jax.random.key(7)))
   assert trained >= untrained + 0.5, (trained, untrained)
 

@@ -1,11 +1,12 @@
-"""Sampling at temperature > 0: AR and both speculative acceptance rules are lossless.
+"""Sampling at temperature > 0 on the engine: AR and both speculative acceptance rules are lossless.
 
 A tiny target (vocabulary 8) lets the exact distribution of the first four generated tokens be
-computed by enumeration; thousands of sequences of one prompt are generated in ONE jitted call per
-configuration and compared by chi-square tests (fixed seeds: deterministic). The first token comes
-from the prefill, the next three from speculative rounds.
+computed by enumeration; thousands of requests of one prompt are generated in ONE engine run per
+configuration and compared by chi-square tests (fixed seeds: deterministic). The first token is drawn
+after the prompt's prefill, the next three by speculative rounds.
 
-One drafter serves several draft distributions at once, chosen by batch row (b % len(variants)):
+One drafter serves several draft distributions at once, chosen by engine slot (b % len(variants); each
+request holds one slot from its first round to its last):
   root      the target's own logits at the round's anchor context, repeated at every depth
             (q = p at depth 1)
   random    a fixed random table indexed by (depth, anchor)
@@ -27,12 +28,9 @@ from scipy import stats
 import hf_fixtures
 from jetspec_jax.config import Qwen3Config
 from jetspec_jax.decode import sampling, speculative
-from jetspec_jax.decode.generation import acceptance
-from jetspec_jax.decode.generation import Generator
-from jetspec_jax.decode.sampling import SamplingConfig
-from jetspec_jax.decode.loop import prefill
+from jetspec_jax.decode.engine import Engine, EnginePlan, Request, acceptance
 from jetspec_jax.decode.profile import AcceptanceProfile
-from jetspec_jax.decode.prompts import batch_prompts
+from jetspec_jax.decode.sampling import SamplingConfig
 from jetspec_jax.decode.speculative import TreeConfig
 from jetspec_jax.errors import JetSpecError
 from jetspec_jax.models import draft_head, qwen3
@@ -110,7 +108,7 @@ def check_distribution(tokens: np.ndarray, temperature, top_k, top_p, label=""):
 
 
 # ------------------------------------------------------------------------------------------------
-# Drafters and a loop runner that keeps per-sequence results
+# Drafters and an engine runner that keeps per-request results
 
 
 def target_step(params, cache, tok, pos):
@@ -159,32 +157,46 @@ def drafter_for(variants, temperature, top_k, top_p):
   return mixed_drafter(variants, temperature, top_k, top_p)                 # one object: one compile
 
 
-def run_spec(tree_cfg, variants, *, batch, max_new, temperature, top_k=0, top_p=1.0, accept, seed=0,
-             first_round_only=False):
-  """A speculative Generator's steps, returning per-sequence tokens [B, M] and depth histograms [B, D+1].
+def run_requests(engine: Engine, requests, chunk: int = 500):
+  """What ``engine.run(requests)`` gives (ids 0.., one device loop), the requests submitted ``chunk`` at a time:
+  ``Engine.submit`` stacks a call's keys in one op, whose compile time grows with the square of its requests."""
+  engine.start()
+  ids = [i for at in range(0, len(requests), chunk) for i in engine.submit(requests[at:at + chunk])]
+  done = {r.id: r for r in engine.step()}
+  return [done[i] for i in ids]
 
-  first_round_only: start the loop one token short of max_new, so every sequence runs one round
-  (same shapes, so no recompilation)."""
+
+def spec_engine(tree_cfg, variants, *, max_new, temperature, top_k=0, top_p=1.0, accept, seed=0) -> Engine:
+  """A speculative engine of BATCH slots in GROUPS groups for requests of PROMPT, each prefilled by its own lane
+  in the first round (one program per configuration: the seed is not compiled in)."""
   hcfg, hparams = head()
-  params = target()
-  tokens, lengths = batch_prompts([PROMPT] * batch, V)
-  target_len, draft_len = speculative.cache_lengths(tokens.shape[1], max_new, hcfg, tree_cfg)
-  cache = qwen3.init_cache(CFG, batch, target_len, jnp.float32)
-  dcache = draft_head.init_context_cache(hcfg, batch, draft_len, jnp.float32)
-  base, taps = prefill(params, cache, jnp.asarray(tokens), jnp.asarray(lengths), jax.random.key(seed), cfg=CFG,
-                       max_new_tokens=max_new, eos_ids=(), temperature=temperature,
-                       attn_impl="xla", tap_layers=hcfg.target_layer_ids, mesh=None, top_k=top_k, top_p=top_p)
-  if first_round_only:
-    base = base.replace(num_tokens=jnp.full_like(base.num_tokens, max_new - 1))
-  dcache = speculative.prefill_context(hparams, dcache, taps, head_cfg=hcfg)
-  state = speculative.init_state(base, dcache, tree_cfg)
-  # Keyword arguments as Generator.decode passes them (the same jit cache entries).
-  state = speculative.spec_decode(params, hparams, state, cfg=CFG, head_cfg=hcfg, tree_cfg=tree_cfg, eos_ids=(),
-                                  attn_impl="xla", mesh=None, drafter=drafter_for(variants, temperature, top_k, top_p),
-                                  temperature=temperature, top_k=top_k, top_p=top_p, accept=accept)
-  out, hist, num = jax.device_get((state.base.tokens, state.depth_hist, state.base.num_tokens))
-  assert np.all(num == max_new)
-  return out, hist
+  plan = EnginePlan(slots=BATCH, rows=BATCH * tree_cfg.num_nodes(), lanes=BATCH, prefill_rows=len(PROMPT),
+                    max_prompt=len(PROMPT), max_new_tokens=max_new, queue=BATCH // GROUPS, groups=GROUPS,
+                    tree=tree_cfg)
+  return Engine(CFG, target(), plan, head_cfg=hcfg, head_params=hparams, eos_ids=(),
+                sampling_cfg=SamplingConfig(temperature, top_k, top_p, accept, seed),
+                drafter=drafter_for(variants, temperature, top_k, top_p))
+
+
+def slot_of(request: np.ndarray) -> np.ndarray:
+  """The slot request i holds in ``spec_engine`` when all are queued at once: requests go to the groups in turn
+  (the one with the fewest outstanding) and take their group's slots in queue order."""
+  return request % GROUPS * (BATCH // GROUPS) + request // GROUPS
+
+
+def run_spec(tree_cfg, variants, *, max_new, first_round_only=False, **kw):
+  """BATCH requests of PROMPT through ``spec_engine``, returning per-request tokens [B, M], depth histograms
+  [B, D+1] and drafter variants [B]. Every request takes a slot in the first round and keeps it to its end: the
+  drafter's variant of its slot (``slot_of``) is the request's.
+
+  first_round_only: requests of 2 tokens in the engine planned for ``max_new`` (the same program), so every
+  request runs exactly one round after its first token."""
+  results = run_requests(spec_engine(tree_cfg, variants, max_new=max_new, **kw),
+                         [Request(PROMPT, 2 if first_round_only else max_new)] * BATCH)
+  assert all(r.admitted == 0 and r.first == 0 for r in results)
+  tokens = np.asarray([r.tokens for r in results])
+  assert tokens.shape == (BATCH, 2 if first_round_only else max_new)
+  return tokens, np.stack([r.depth_histogram for r in results]), slot_of(np.arange(BATCH)) % len(variants)
 
 
 TREE = TreeConfig("accum_logp", budget=8, width=4, depth=3)
@@ -198,6 +210,7 @@ CALIBRATED_ONLINE = TreeConfig("calibrated", budget=8, width=4, depth=3, online=
 TREE_VARIANTS = ("root", "random", "zero_top", "head")
 CHAIN_VARIANTS = ("root", "random", "zero_top", "oracle")
 BATCH = 12000
+GROUPS = 24                # queues of 500 requests: ``Engine.submit`` scans a group's queue per request
 
 SPEC_CASES = [
     # (accept, tree, variants, temperature, top_k, top_p, max_new)
@@ -214,9 +227,8 @@ SPEC_CASES = [
 @pytest.mark.parametrize("accept,tree_cfg,variants,temperature,top_k,top_p,max_new", SPEC_CASES,
                          ids=lambda x: getattr(x, "method", None) or str(x))
 def test_speculative_sampling_is_lossless(accept, tree_cfg, variants, temperature, top_k, top_p, max_new):
-  tokens, hist = run_spec(tree_cfg, variants, batch=BATCH, max_new=max_new, temperature=temperature, top_k=top_k,
-                          top_p=top_p, accept=accept, seed=1)
-  which = np.arange(BATCH) % len(variants)
+  tokens, hist, which = run_spec(tree_cfg, variants, max_new=max_new, temperature=temperature, top_k=top_k,
+                                 top_p=top_p, accept=accept, seed=1)
   for i, name in enumerate(variants):
     check_distribution(tokens[which == i, :NUM_TOKENS], temperature, top_k, top_p, f"{accept}/{name}")
   if accept == "rejection":
@@ -238,9 +250,8 @@ def test_match_accepts_with_the_mass_of_the_children():
   the top-W tokens of q (here q = p: the target's own top-W at the anchor context)."""
   accept, tree_cfg, variants, temperature, top_k, top_p, max_new = next(
       case for case in SPEC_CASES if case[:2] == ("match", TREE))
-  tokens, hist = run_spec(tree_cfg, variants, batch=BATCH, max_new=max_new, temperature=temperature,
-                          top_k=top_k, top_p=top_p, accept=accept, seed=2, first_round_only=True)
-  which = np.arange(BATCH) % len(variants)
+  tokens, hist, which = run_spec(tree_cfg, variants, max_new=max_new, temperature=temperature,
+                                 top_k=top_k, top_p=top_p, accept=accept, seed=2, first_round_only=True)
   rows = which == variants.index("root")
   t1 = tokens[rows, 0]
   p2 = exact_joint(temperature, top_k, top_p, 2)
@@ -255,32 +266,36 @@ def test_match_accepts_with_the_mass_of_the_children():
 
 
 def test_ar_sampling_matches_the_target_and_is_reproducible():
+  """8,000 AR requests through 2,000 slots (each serving four requests in turn): the target's distribution, and
+  the same tokens when run again."""
   temperature, top_k, top_p = 0.8, 0, 0.9
-  ar = Generator(CFG, target(), sampling_cfg=SamplingConfig(temperature, top_k, top_p, seed=3), eos_ids=())
-  out = ar.generate([PROMPT] * 8000, NUM_TOKENS)
-  tokens = np.array(out.tokens)
-  check_distribution(tokens, temperature, top_k, top_p, "ar")
-  again = ar.generate([PROMPT] * 8000, NUM_TOKENS)
-  assert again.tokens == out.tokens
+  requests = [Request(PROMPT, NUM_TOKENS)] * 8000
+  ar = Engine.for_requests(CFG, target(), requests, slots=2000, lanes=2000, prefill_rows=len(PROMPT), groups=8,
+                           eos_ids=(), sampling_cfg=SamplingConfig(temperature, top_k, top_p, seed=3))
+  out = run_requests(ar, requests)
+  assert max(r.admitted for r in out) > 0                          # slots were reused
+  tokens = [r.tokens for r in out]
+  check_distribution(np.array(tokens), temperature, top_k, top_p, "ar")
+  assert [r.tokens for r in run_requests(ar, requests)] == tokens
 
 
 def test_speculative_sampling_is_reproducible_from_the_seed():
-  """A speculative Generator at temperature > 0 (same static arguments and shapes as the first case of
-  SPEC_CASES, so nothing recompiles): a seed fixes the output; sequences draw independently."""
+  """A speculative engine at temperature > 0 (the program of the first case of SPEC_CASES: nothing
+  recompiles; 2,000 requests in its BATCH slots): a seed fixes the output; requests draw independently."""
   accept, tree_cfg, variants, temperature, top_k, top_p, max_new = SPEC_CASES[0]
-  hcfg, hparams = head()
+  requests = [Request(PROMPT, max_new)] * 2000
 
-  def generator(seed):
-    return Generator(CFG, target(), head_cfg=hcfg, head_params=hparams, tree=tree_cfg, eos_ids=(),
-                     sampling_cfg=SamplingConfig(temperature, top_k, top_p, accept, seed),
-                     drafter=drafter_for(variants, temperature, top_k, top_p))
+  def engine(seed):
+    return spec_engine(tree_cfg, variants, max_new=max_new, temperature=temperature, top_k=top_k, top_p=top_p,
+                       accept=accept, seed=seed)
 
-  a, b, c = (generator(seed).generate([PROMPT] * BATCH, max_new) for seed in (5, 5, 6))
-  assert a.tokens == b.tokens != c.tokens
-  assert len(set(map(tuple, a.tokens[:16]))) > 1                    # per-sequence keys
-  assert generator(5).sampling.describe() == {"temperature": 1.0, "top_k": 3, "top_p": 1.0, "accept": "rejection",
-                                              "seed": 5}
-  acc_a, acc_b = acceptance([a]), acceptance([b])
+  a, b, c = (run_requests(engine(seed), requests) for seed in (5, 5, 6))
+  tokens = lambda results: [r.tokens for r in results]
+  assert tokens(a) == tokens(b) != tokens(c)
+  assert len(set(map(tuple, tokens(a)[:16]))) > 1                  # per-request keys
+  assert engine(5).sampling.describe() == {"temperature": 1.0, "top_k": 3, "top_p": 1.0, "accept": "rejection",
+                                           "seed": 5}
+  acc_a, acc_b = acceptance(a), acceptance(b)
   assert 1.0 < acc_a["tau"] <= tree_cfg.depth + 1
   assert acc_a["rounds"] == acc_b["rounds"] and len(acc_a["acceptance_by_depth"]) == tree_cfg.depth
 
@@ -352,9 +367,12 @@ def test_gumbel_top_k_draws_without_replacement_in_order():
 
 def test_invalid_sampling_options():
   hcfg, hparams = head()
+  requests = [Request(PROMPT, 2)]
+  tree = TreeConfig("chain", 1, 1, 3)
   for kw in (dict(temperature=-1.0), dict(temperature=1.0, top_p=0.0), dict(temperature=1.0, top_p=1.5),
              dict(temperature=1.0, top_k=-2), dict(temperature=1.0, accept="greedy")):
     with pytest.raises(JetSpecError):
-      Generator(CFG, target(), head_cfg=hcfg, head_params=hparams, sampling_cfg=SamplingConfig(**kw))
+      Engine.for_requests(CFG, target(), requests, slots=1, tree=tree, head_cfg=hcfg, head_params=hparams,
+                          sampling_cfg=SamplingConfig(**kw))
   with pytest.raises(JetSpecError):
-    Generator(CFG, target(), sampling_cfg=SamplingConfig(temperature=1.0, top_p=0.0))
+    Engine.for_requests(CFG, target(), requests, slots=1, sampling_cfg=SamplingConfig(temperature=1.0, top_p=0.0))

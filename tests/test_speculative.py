@@ -1,21 +1,24 @@
-"""Speculative decoding: lossless against AR, acceptance and KV compaction proven by oracle drafters."""
+"""Speculative decoding on the engine: lossless against the reference greedy decoder, acceptance and the
+slots' cache rows proven by oracle drafters, chunked prefill equal to a whole-prompt prefill."""
 import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import hf_fixtures
 from greedy import assert_agree
-from jetspec_jax.decode.generation import acceptance
 from jetspec_jax.config import Qwen3Config
-from jetspec_jax.decode.generation import Generator
+from jetspec_jax.decode import reference
+from jetspec_jax.decode.engine import Engine, Request, acceptance, generate
 from jetspec_jax.decode.speculative import TreeConfig
 from jetspec_jax.models import draft_head, qwen3
 
 CFG = Qwen3Config(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=8, rope_theta=10000.0)
 PROMPTS3 = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14, 15, 16]]
+MAX_NEW = 30               # the longest generation of this file: shorter ones are prefixes of it
 
 
 @functools.lru_cache(maxsize=None)
@@ -32,9 +35,19 @@ def head(block_size=16, causal=True):
 
 
 @functools.lru_cache(maxsize=None)
+def _greedy(prompt: tuple[int, ...], eos: tuple[int, ...]) -> list[int]:
+  return reference.greedy(CFG, target(), prompt, MAX_NEW, eos)
+
+
 def ar_tokens(batch, max_new, eos=()):
-  prompts = PROMPTS3[:batch]
-  return Generator(CFG, target(), eos_ids=eos).generate(prompts, max_new).tokens
+  """The reference greedy tokens of the first ``batch`` prompts (``decode.reference``; a generation stopped at
+  max_new is a prefix of a longer one)."""
+  return [_greedy(tuple(p), tuple(eos))[:max_new] for p in PROMPTS3[:batch]]
+
+
+def speculative(prompts, max_new, tree, head_kw=(), **kw):
+  hcfg, hparams = head(*head_kw)
+  return generate(CFG, target(), prompts, max_new, head_cfg=hcfg, head_params=hparams, tree=tree, **kw)
 
 
 LOSSLESS_CASES = [
@@ -54,9 +67,7 @@ LOSSLESS_CASES = [
 
 @pytest.mark.parametrize("method,budget,width,depth,batch,max_new", LOSSLESS_CASES)
 def test_lossless_random_head(method, budget, width, depth, batch, max_new):
-  hcfg, hparams = head()
-  tc = TreeConfig(method, budget, width, depth)
-  out = Generator(CFG, target(), head_cfg=hcfg, head_params=hparams, tree=tc).generate(PROMPTS3[:batch], max_new)
+  out = speculative(PROMPTS3[:batch], max_new, TreeConfig(method, budget, width, depth))
   assert_agree(CFG, target(), PROMPTS3[:batch], ar_tokens(batch, max_new), out.tokens)
   assert all(len(t) == max_new for t in out.tokens)
 
@@ -66,18 +77,14 @@ def test_lossless_with_eos_inside_a_round():
   eos = (ar[0][5], ar[2][11])                      # tokens the greedy continuations emit mid-stream
   expected = ar_tokens(3, 24, eos)
   assert any(len(t) < 24 for t in expected)
-  hcfg, hparams = head()
-  out = Generator(CFG, target(), head_cfg=hcfg, head_params=hparams, tree=TreeConfig("accum_logp", 16, 3, 4),
-                  eos_ids=eos).generate(PROMPTS3, 24)
+  out = speculative(PROMPTS3, 24, TreeConfig("accum_logp", 16, 3, 4), eos_ids=eos)
   assert_agree(CFG, target(), PROMPTS3, expected, out.tokens)
   for toks in out.tokens:
     assert not any(t in eos for t in toks[:-1])    # nothing emitted past an EOS
 
 
 def test_bidirectional_head_is_lossless():
-  hcfg, hparams = head(block_size=5, causal=False)
-  out = Generator(CFG, target(), head_cfg=hcfg, head_params=hparams,
-                  tree=TreeConfig("accum_logp", 16, 3, 4)).generate(PROMPTS3, 12)
+  out = speculative(PROMPTS3, 12, TreeConfig("accum_logp", 16, 3, 4), head_kw=(5, False))
   assert_agree(CFG, target(), PROMPTS3, ar_tokens(3, 12), out.tokens)
 
 
@@ -112,76 +119,127 @@ WRONG = oracle_drafter(1)
 
 @pytest.mark.parametrize("tc", [TreeConfig("chain", 1, 1, 4), TreeConfig("accum_logp", 16, 3, 4)])
 def test_perfect_drafter_accepts_every_depth(tc):
-  hcfg, hparams = head()
   rounds = 3
-  max_new = 1 + rounds * (tc.depth + 1)            # prefill token + full rounds
-  out = Generator(CFG, target(), head_cfg=hcfg, head_params=hparams, tree=tc, drafter=PERFECT).generate(PROMPTS3,
-                                                                                                         max_new)
+  max_new = 1 + rounds * (tc.depth + 1)            # the prefill's token + full rounds
+  out = speculative(PROMPTS3, max_new, tc, drafter=PERFECT, eos_ids=())
   assert_agree(CFG, target(), PROMPTS3, ar_tokens(3, max_new), out.tokens)
-  assert out.rounds.tolist() == [rounds] * 3
-  acc = acceptance([out])
+  assert [r.steps for r in out.results] == [rounds] * 3
+  acc = acceptance(out.results)
   assert acc["tau"] == tc.depth + 1
   assert acc["rounds"] == 3 * rounds
   assert acc["depth_histogram"] == [0] * tc.depth + [3 * rounds]
 
 
 def test_wrong_drafter_gives_tau_one():
-  hcfg, hparams = head()
-  out = Generator(CFG, target(), head_cfg=hcfg, head_params=hparams, tree=TreeConfig("chain", 1, 1, 4),
-                  drafter=WRONG).generate(PROMPTS3, 7)
+  out = speculative(PROMPTS3, 7, TreeConfig("chain", 1, 1, 4), drafter=WRONG, eos_ids=())
   assert_agree(CFG, target(), PROMPTS3, ar_tokens(3, 7), out.tokens)
-  acc = acceptance([out])
+  acc = acceptance(out.results)
   assert acc["tau"] == 1.0
   assert acc["acceptance_by_depth"] == [0.0] * 4
 
 
-def test_finished_rows_commit_nothing_and_write_inside_the_cache():
-  """EOS in one row, a max_new_tokens cut in the others, mixed per-row acceptance (row 1's drafter is always
-  wrong, the others perfect), batch 3: the final state keeps every row's invariant (prefix_len = prompt +
-  committed - 1, within the cache's committed region) and every row's committed cache rows equal AR's."""
+@functools.partial(jax.jit, static_argnames=("hcfg",))
+def _fresh_rows(params, head_params, tokens, *, hcfg):
+  """Per layer, the target's keys and values [B, Hkv, W, Dh] of ONE causal forward over tokens [B, W] from an
+  empty cache, and (``hcfg``) the head's context keys and values of its taps."""
+  batch, width = tokens.shape
+  pos = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (batch, width))
+  cache = qwen3.init_cache(CFG, batch, width, jnp.float32)
+  taps_at = () if hcfg is None else hcfg.target_layer_ids
+  _, cache, taps = hf_fixtures.target_forward(params, CFG, tokens, pos, cache, jnp.zeros((batch,), jnp.int32),
+                                              qwen3.causal_mask(batch, width), tap_layers=taps_at)
+  draft = None if hcfg is None else draft_head.bind(hcfg, head_params).context_kv(taps, pos)
+  return cache, draft
+
+
+def check_slots(engine):
+  """Each slot's invariant after a step, and its cached rows: free, no prefix; prefilling, no token and
+  prefix_len < prompt_len; decoding, prefix_len = prompt_len + tokens - 1 with room for a round's nodes.
+  Rows < prefix_len of the target's cache (and the head's context) equal those of one causal forward over
+  the slot's sequence (its prompt, then its tokens but the newest)."""
+  s = jax.device_get(engine.state)
+  plan = engine.plan
+  width = s.cache.max_len
+  seqs = np.zeros((plan.slots, width), np.int32)
+  for b in range(plan.slots):
+    n, p, m = int(s.prefix_len[b]), int(s.prompt_len[b]), int(s.num_tokens[b])
+    if s.entry[b] < 0:
+      assert n == 0, b
+      continue
+    if n < p:
+      assert m == 0, b
+    else:
+      assert n == p + m - 1 and m >= 1 and n + plan.nodes + 1 <= width, b
+    seq = list(s.queue.prompt[b // (plan.slots // plan.groups), s.entry[b], :p]) + list(s.tokens[b, :max(m - 1, 0)])
+    seqs[b, :len(seq)] = seq
+  cache, draft = jax.device_get(_fresh_rows(engine.params, engine.head_params, jnp.asarray(seqs), hcfg=engine.head_cfg))
+  got = list(s.cache.k + s.cache.v) + ([] if draft is None else list(s.draft_cache.k + s.draft_cache.v))
+  want = list(cache.k + cache.v) + ([] if draft is None else [k for k, _ in draft] + [v for _, v in draft])
+  for b, n in enumerate(s.prefix_len.tolist()):
+    for x, y in zip(got, want):
+      np.testing.assert_allclose(x[b, :, :n], y[b, :, :n], rtol=1e-4, atol=1e-4, err_msg=f"slot {b}")
+
+
+def run_stepwise(engine, requests):
+  """``requests`` through ``engine`` one round per step, every slot checked after each (``check_slots``) and every
+  running request's tokens so far a prefix of its final ones; results in request order."""
+  engine.start()
+  ids = engine.submit(requests)
+  done, seen = {}, []
+  while len(done) < len(requests):
+    done.update((r.id, r) for r in engine.step(1))
+    check_slots(engine)
+    seen.append(engine.progress())
+  for snapshot in seen:
+    assert all(done[i].tokens[:len(t)] == t for i, t in snapshot.items())
+  return [done[i] for i in ids]
+
+
+def test_finished_requests_commit_nothing_and_slots_hold_their_rows():
+  """EOS in one request, a max_new_tokens cut in the others, mixed acceptance (slot 1's drafter is always wrong,
+  the others perfect), 3 slots: after every round each slot keeps its invariant and its committed cache rows
+  (target and head) are those of a fresh forward over its sequence, a finished request's slot is free, and the
+  tokens are the reference's."""
   hcfg, hparams = head()
   max_new = 23
   rows = ar_tokens(3, max_new)
   stop = next(i for i in range(4, max_new) if rows[0][i] not in rows[0][:i] + rows[1] + rows[2])
-  eos = (rows[0][stop],)                               # row 0 stops there; rows 1 and 2 run to max_new
+  eos = (rows[0][stop],)                               # request 0 stops there; 1 and 2 run to max_new
   offsets = jnp.array([0, 1, 0])
 
   def mixed(target_params, head_params, view, *, cfg, head_cfg, tree_cfg, attn_impl, mesh):
     toks = (_greedy_continuation(target_params, view, tree_cfg.depth) + offsets[:, None]) % cfg.vocab_size
     return jnp.where(jax.nn.one_hot(toks, cfg.vocab_size, dtype=bool), 0.0, -1e9), view.draft_cache
 
-  tc = TreeConfig("chain", 1, 1, 4)
-  spec = Generator(CFG, target(), head_cfg=hcfg, head_params=hparams, tree=tc, drafter=mixed, eos_ids=eos)
-  ar = Generator(CFG, target(), eos_ids=eos)
-  s_state = spec.decode(spec.prefill(PROMPTS3, max_new)).base
-  a_state = ar.decode(ar.prefill(PROMPTS3, max_new))
-  ar_out = ar.generate(PROMPTS3, max_new).tokens
-  assert_agree(CFG, target(), PROMPTS3, ar_out, spec.generate(PROMPTS3, max_new).tokens)
-  assert len(ar_out[0]) == stop + 1 and [len(t) for t in ar_out[1:]] == [max_new, max_new]
-  lengths = jnp.array([len(p) for p in PROMPTS3])
-  assert s_state.prefix_len.tolist() == (lengths + s_state.num_tokens - 1).tolist()
-  assert s_state.prefix_len.tolist() == a_state.prefix_len.tolist()
-  cache_len = s_state.cache.max_len
-  assert int(jnp.max(s_state.prefix_len)) + tc.num_nodes() + 1 <= cache_len
-  for b, n in enumerate(s_state.prefix_len.tolist()):
-    for got, want in zip(s_state.cache.k + s_state.cache.v, a_state.cache.k + a_state.cache.v):
-      assert jnp.allclose(got[b, :, :n], want[b, :, :n], atol=1e-4), b
+  requests = [Request(p, max_new) for p in PROMPTS3]
+  engine = Engine.for_requests(CFG, target(), requests, slots=3, prefill_rows=8, tree=TreeConfig("chain", 1, 1, 4),
+                               head_cfg=hcfg, head_params=hparams, drafter=mixed, eos_ids=eos)
+  results = run_stepwise(engine, requests)
+  expected = ar_tokens(3, max_new, eos)
+  assert len(expected[0]) == stop + 1 and [len(t) for t in expected[1:]] == [max_new, max_new]
+  assert_agree(CFG, target(), PROMPTS3, expected, [r.tokens for r in results])
+  assert [r.depth_histogram[0] == r.steps for r in results] == [False, True, False]   # slot 1 never accepts
+  assert results[0].finished < results[1].finished
 
 
-@pytest.mark.parametrize("chunk", [3, 4])
-def test_chunked_prefill_equals_one_forward(chunk):
-  """Prefill in chunks of rows (the long-prompt path; 3 pads the width 8 to 9) gives the first token, the
-  committed cache rows and the head's context of one whole-prompt forward: AR and speculative outputs equal."""
+@pytest.mark.parametrize("chunk,lanes", [(3, 1), (4, 2)])
+def test_chunked_prefill_equals_one_forward(chunk, lanes):
+  """Prompts prefilled in chunks of ``chunk`` rows (one lane: over several rounds; two lanes: a prompt split over
+  both in a round, and over rounds) leave after every round the cache rows (and the head's context) of one
+  whole-prompt forward, draw the same first token and give the tokens of a whole-prompt prefill (a lane of 8
+  rows: each prompt in one forward), AR and speculative."""
   hcfg, hparams = head()
-  for kw in ({}, dict(head_cfg=hcfg, head_params=hparams, tree=TreeConfig("best_nodes", 16, 3, 4))):
-    whole, chunked = (Generator(CFG, target(), prefill_chunk=c, **kw) for c in (0, chunk))
-    assert_agree(CFG, target(), PROMPTS3, whole.generate(PROMPTS3, 12).tokens, chunked.generate(PROMPTS3, 12).tokens)
-    a, b = whole.prefill(PROMPTS3, 12), chunked.prefill(PROMPTS3, 12)
-    a, b = (s.base if kw else s for s in (a, b))
-    assert a.last_token.tolist() == b.last_token.tolist() and a.prefix_len.tolist() == b.prefix_len.tolist()
-    for i, n in enumerate(a.prefix_len.tolist()):
-      for x, y in zip(a.cache.k + a.cache.v, b.cache.k + b.cache.v):
-        assert jnp.allclose(x[i, :, :n], y[i, :, :n], atol=1e-5)
+  max_new = 21
+  requests = [Request(p, max_new) for p in PROMPTS3]
+  # The speculative whole-prompt run is test_lossless_random_head's (the same program).
+  for kw in ({}, dict(head_cfg=hcfg, head_params=hparams, tree=TreeConfig("accum_logp", 64, 3, 4))):
+    whole = generate(CFG, target(), PROMPTS3, max_new, **kw)
+    assert [r.first for r in whole.results] == [0, 1, 2]                 # one prompt a round, each whole
+    engine = Engine.for_requests(CFG, target(), requests, slots=3, lanes=lanes, prefill_rows=chunk, **kw)
+    chunked = run_stepwise(engine, requests)
+    assert [r.first for r in chunked] == ([1, 2, 5] if lanes == 1 else [0, 1, 2])
+    assert_agree(CFG, target(), PROMPTS3, whole.tokens, [r.tokens for r in chunked])
+    assert_agree(CFG, target(), PROMPTS3, ar_tokens(3, max_new), [r.tokens for r in chunked])
 
 
 def test_prefill_chunk_bounds_the_scores():

@@ -1,5 +1,5 @@
 """Acceptance profiles and the trees they shape: the static optimum against brute force, the reference
-rule and the calibrated method against today's methods, the loop's counts, lossless decoding."""
+rule and the calibrated method against today's methods, the engine's counts, lossless decoding."""
 import functools
 import itertools
 import json
@@ -9,25 +9,34 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jetspec_jax.decode import profile
-from jetspec_jax.decode.generation import Generator, acceptance, acceptance_profile
+import hf_fixtures
+from jetspec_jax.decode import profile, reference
+from jetspec_jax.decode.engine import acceptance, acceptance_profile, generate
 from jetspec_jax.decode.profile import AcceptanceProfile, expected_tau, optimal_static_tree
 from jetspec_jax.decode.speculative import TreeConfig, calibration_counts, observe_ranks
 from jetspec_jax.decode.tree import build_tree
 from jetspec_jax.decode.verify import Acceptance
 from jetspec_jax.errors import JetSpecError
-from test_generation import CFG, HEAD, PROMPTS, weights
+from test_generation import CFG, HEAD, MAX_NEW, PROMPTS, weights
 from greedy import assert_agree
 
 
 @functools.cache
-def ar_tokens(max_new):
-  return Generator(CFG, weights()[0], eos_ids=()).generate(PROMPTS, max_new).tokens
+def ar_tokens():
+  """The reference greedy tokens of PROMPTS (``decode.reference``)."""
+  return [reference.greedy(CFG, weights()[0], p, MAX_NEW) for p in PROMPTS]
 
 
-def speculative(tree, mesh=None, params=None):
+def speculative(tree, mesh=None, params=None, groups=1, **kw):
+  """PROMPTS through a speculative engine of one slot each, both prefilled in the first round."""
   target, head = params or weights()
-  return Generator(CFG, target, head_cfg=HEAD, head_params=head, tree=tree, eos_ids=(), mesh=mesh)
+  return generate(CFG, target, PROMPTS, MAX_NEW, head_cfg=HEAD, head_params=head, tree=tree, eos_ids=(), mesh=mesh,
+                  lanes=len(PROMPTS), groups=groups, **kw)
+
+
+def per_request(run, field):
+  """One field of every request's result, stacked [R, ...]."""
+  return np.stack([getattr(r, field) for r in run.results])
 
 
 def _random_profile(seed, depth, width, rounds=200):
@@ -260,7 +269,7 @@ def test_calibration_counts_pool_the_profile_and_the_loop():
 
 @functools.cache
 def _profile_of_random_head():
-  return acceptance_profile([speculative(TreeConfig("best_nodes", 16, 3, 4)).generate(PROMPTS, 21)])
+  return acceptance_profile(speculative(TreeConfig("best_nodes", 16, 3, 4)).results)
 
 
 LOSSLESS_CASES = [
@@ -277,25 +286,26 @@ LOSSLESS_CASES = [
 def test_profile_guided_trees_are_lossless(kw):
   kw = dict(kw)
   prof = _profile_of_random_head() if kw.pop("use_profile", True) else None
-  out = speculative(TreeConfig(depth=4, profile=prof, **kw)).generate(PROMPTS, 21)
-  assert_agree(CFG, weights()[0], PROMPTS, ar_tokens(21), out.tokens)
+  out = speculative(TreeConfig(depth=4, profile=prof, **kw))
+  assert_agree(CFG, weights()[0], PROMPTS, ar_tokens(), out.tokens)
 
 
 def test_loop_counts_are_consistent_with_the_acceptance():
   """For a chain every hit at depth d is an acceptance, so visits[d] == hits[d-1][0]; visits[d-1] counts the
   rounds that accepted at least d - 1 tokens; every round observes depth 1."""
-  out = speculative(TreeConfig("chain", 1, 1, 4)).generate(PROMPTS, 21)
-  visits, hits = out.depth_visits, out.rank_hits
-  at_least = out.depth_histogram[:, ::-1].cumsum(axis=1)[:, ::-1]            # [B, D+1]: rounds accepting >= d
+  out = speculative(TreeConfig("chain", 1, 1, 4))
+  visits, hits, hist = (per_request(out, f) for f in ("depth_visits", "rank_hits", "depth_histogram"))
+  at_least = hist[:, ::-1].cumsum(axis=1)[:, ::-1]                          # [R, D+1]: rounds accepting >= d
   np.testing.assert_array_equal(visits, at_least[:, :4])
   np.testing.assert_array_equal(visits[:, 1:], hits[:, :-1, 0])
-  np.testing.assert_array_equal(visits[:, 0], out.rounds)
-  prof = acceptance_profile([out])
-  assert prof.visits[0] == acceptance([out])["rounds"]
-  tree_out = speculative(TreeConfig("accum_logp", 16, 3, 4)).generate(PROMPTS, 21)
-  at_least = tree_out.depth_histogram[:, ::-1].cumsum(axis=1)[:, ::-1]
-  np.testing.assert_array_equal(tree_out.depth_visits, at_least[:, :4])
-  assert (tree_out.rank_hits.sum(axis=2)[:, :-1] >= tree_out.depth_visits[:, 1:]).all()
+  np.testing.assert_array_equal(visits[:, 0], [r.steps for r in out.results])
+  prof = acceptance_profile(out.results)
+  assert prof.visits[0] == acceptance(out.results)["rounds"]
+  tree_out = speculative(TreeConfig("accum_logp", 16, 3, 4))
+  visits, hits, hist = (per_request(tree_out, f) for f in ("depth_visits", "rank_hits", "depth_histogram"))
+  at_least = hist[:, ::-1].cumsum(axis=1)[:, ::-1]
+  np.testing.assert_array_equal(visits, at_least[:, :4])
+  assert (hits.sum(axis=2)[:, :-1] >= visits[:, 1:]).all()
 
 
 def test_profile_json_round_trip_and_errors(tmp_path):
@@ -330,8 +340,26 @@ def test_bad_tree_configs(kw, match):
     TreeConfig(budget=8, width=3, depth=4, **kw).validate(HEAD)
 
 
+def _noisy_drafter(target_params, head_params, view, *, cfg, head_cfg, tree_cfg, attn_impl, mesh):
+  """Random draft logits (from the round's keys) with the target's own greedy continuation raised by 3 (slot 0)
+  or 1 (slot 1): drafts hit at varying ranks, so the online counts are not empty."""
+  one = jnp.ones((view.last_token.shape[0], 1, 1), bool)
+
+  def step(carry, _):
+    cache, tok, pos = carry
+    logits, cache, _ = hf_fixtures.target_forward(target_params, cfg, tok[:, None], pos[:, None], cache, pos, one)
+    nxt = jnp.argmax(logits[:, 0], -1).astype(jnp.int32)
+    return (cache, nxt, pos + 1), nxt
+
+  _, toks = jax.lax.scan(step, (view.cache, view.last_token, view.prefix_len), None, length=tree_cfg.depth)
+  noise = jax.vmap(lambda k: jax.random.normal(k, (tree_cfg.depth, cfg.vocab_size)))(view.keys)
+  boost = jnp.array([3.0, 1.0])[:, None, None]
+  return noise + boost * jax.nn.one_hot(toks.T, cfg.vocab_size), view.draft_cache
+
+
 def test_online_calibration_on_a_2x2_mesh():
-  """The batch-summed counts of a data-sharded batch: still lossless, and the counts equal the unsharded run's."""
+  """The batch-summed counts of a data-sharded engine (two groups over the data axis; a drafter whose drafts hit
+  at varying ranks): still lossless, and the counts equal those of the same plan on one device."""
   if jax.device_count() < 4:
     pytest.skip("needs 4 devices (XLA_FLAGS=--xla_force_host_platform_device_count=8)")
   from jetspec_jax.models import draft_head, qwen3
@@ -341,9 +369,10 @@ def test_online_calibration_on_a_2x2_mesh():
   target, head = weights()
   placed = (place(target, qwen3.param_specs(CFG), mesh), place(head, draft_head.param_specs(HEAD), mesh))
   tc = TreeConfig("calibrated", 16, 3, 4, profile=_profile_of_random_head(), online="batch")
-  out = speculative(tc, mesh, placed).generate(PROMPTS, 21)
-  ref = speculative(tc).generate(PROMPTS, 21)
-  assert_agree(CFG, target, PROMPTS, ar_tokens(21), ref.tokens)
+  out = speculative(tc, mesh, placed, groups=2, drafter=_noisy_drafter)
+  ref = speculative(tc, groups=2, drafter=_noisy_drafter)
+  assert_agree(CFG, target, PROMPTS, ar_tokens(), ref.tokens)
+  assert per_request(ref, "rank_hits").sum() > 0
   if assert_agree(CFG, target, PROMPTS, ref.tokens, out.tokens).identical == len(PROMPTS):   # counts follow the tokens
-    np.testing.assert_array_equal(out.rank_hits, ref.rank_hits)
-    np.testing.assert_array_equal(out.depth_visits, ref.depth_visits)
+    for field in ("rank_hits", "depth_visits"):
+      np.testing.assert_array_equal(per_request(out, field), per_request(ref, field))
