@@ -1,7 +1,6 @@
 """The engine's autoregressive decoding (no draft head) against transformers greedy ``generate`` (float32)."""
 import dataclasses
 
-import numpy as np
 import pytest
 import torch
 

@@ -9,7 +9,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import hf_fixtures
 from jetspec_jax.decode import profile, reference
 from jetspec_jax.decode.engine import acceptance, acceptance_profile, generate
 from jetspec_jax.decode.profile import AcceptanceProfile, expected_tau, optimal_static_tree
@@ -17,6 +16,7 @@ from jetspec_jax.decode.speculative import TreeConfig, calibration_counts, obser
 from jetspec_jax.decode.tree import build_tree
 from jetspec_jax.decode.verify import Acceptance
 from jetspec_jax.errors import JetSpecError
+from jetspec_jax.models import qwen3
 from test_generation import CFG, HEAD, MAX_NEW, PROMPTS, weights
 from greedy import assert_agree
 
@@ -347,7 +347,9 @@ def _noisy_drafter(target_params, head_params, view, *, cfg, head_cfg, tree_cfg,
 
   def step(carry, _):
     cache, tok, pos = carry
-    logits, cache, _ = hf_fixtures.target_forward(target_params, cfg, tok[:, None], pos[:, None], cache, pos, one)
+    target = qwen3.bind(cfg, target_params)
+    h, cache, _ = target.hidden(tok[:, None], pos[:, None], one, cache=cache, prefix_len=pos)
+    logits = target.logits(h)
     nxt = jnp.argmax(logits[:, 0], -1).astype(jnp.int32)
     return (cache, nxt, pos + 1), nxt
 
