@@ -16,6 +16,7 @@ from jetspec_jax.checkpoint import CheckpointStore
 from jetspec_jax.decode.engine import acceptance, generate
 from jetspec_jax.decode.speculative import TreeConfig
 from jetspec_jax.models import draft_head, qwen3
+from jetspec_jax.sharding import make_mesh
 from jetspec_jax.tokenizer import load_tokenizer
 from jetspec_jax.train import runtime, trainer
 
@@ -121,7 +122,7 @@ def test_exported_head_reloads_with_identical_logits(result):
   head_cfg, exported = convert.load_head(os.path.join(run_dir, "head_hf"), target_cfg=cfg)
   tx = runtime.OptimizerConfig(steps=1, learning_rate=1e-3, warmup_frac=0.04, final_lr_frac=0.0, clip_norm=1.0,
                                weight_decay=0.0).build()
-  mesh = trainer.make_mesh(1, 1, jax.devices()[:1])
+  mesh = make_mesh(1, 1, jax.devices()[:1])
   store = CheckpointStore(os.path.join(run_dir, "checkpoints"), keep=3)
   state, _ = store.restore(store.latest_step(), runtime.abstract(trainer.init_state(head_cfg, tx, 0, mesh)))
   store.close()
