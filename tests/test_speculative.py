@@ -222,12 +222,11 @@ def test_finished_requests_commit_nothing_and_slots_hold_their_rows():
   assert results[0].finished < results[1].finished
 
 
-@pytest.mark.parametrize("chunk,lanes", [(3, 1), (4, 2)])
-def test_chunked_prefill_equals_one_forward(chunk, lanes):
-  """Prompts prefilled in chunks of ``chunk`` rows (one lane: over several rounds; two lanes: a prompt split over
-  both in a round, and over rounds) leave after every round the cache rows (and the head's context) of one
-  whole-prompt forward, draw the same first token and give the tokens of a whole-prompt prefill (a lane of 8
-  rows: each prompt in one forward), AR and speculative."""
+def test_chunked_prefill_equals_one_forward():
+  """Prompts of 5, 2 and 8 tokens prefilled in chunks of 4 rows by two lanes (the first split over both lanes in
+  one round, the last over two rounds; last chunks of 1, 2 and 4 rows) leave after every round the cache rows
+  (and the head's context) of one whole-prompt forward, draw the same first token and give the tokens of a
+  whole-prompt prefill (one lane of 8 rows: each prompt in one forward), AR and speculative."""
   hcfg, hparams = head()
   max_new = 21
   requests = [Request(p, max_new) for p in PROMPTS3]
@@ -235,9 +234,9 @@ def test_chunked_prefill_equals_one_forward(chunk, lanes):
   for kw in ({}, dict(head_cfg=hcfg, head_params=hparams, tree=TreeConfig("accum_logp", 64, 3, 4))):
     whole = generate(CFG, target(), PROMPTS3, max_new, **kw)
     assert [r.first for r in whole.results] == [0, 1, 2]                 # one prompt a round, each whole
-    engine = Engine.for_requests(CFG, target(), requests, slots=3, lanes=lanes, prefill_rows=chunk, **kw)
+    engine = Engine.for_requests(CFG, target(), requests, slots=3, lanes=2, prefill_rows=4, **kw)
     chunked = run_stepwise(engine, requests)
-    assert [r.first for r in chunked] == ([1, 2, 5] if lanes == 1 else [0, 1, 2])
+    assert [r.first for r in chunked] == [0, 1, 2]
     assert_agree(CFG, target(), PROMPTS3, whole.tokens, [r.tokens for r in chunked])
     assert_agree(CFG, target(), PROMPTS3, ar_tokens(3, max_new), [r.tokens for r in chunked])
 
