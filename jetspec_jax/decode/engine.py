@@ -281,12 +281,15 @@ def place(state: EngineState, mesh=None) -> EngineState:
 
 @functools.partial(jax.jit, donate_argnames=("state",))
 def enqueue(state: EngineState, group: jax.Array, entry: jax.Array, seq: jax.Array, prompt: jax.Array,
-            prompt_len: jax.Array, max_new: jax.Array, key: jax.Array, temperature: jax.Array, top_k: jax.Array,
-            top_p: jax.Array) -> EngineState:
+            prompt_len: jax.Array, max_new: jax.Array, seed: jax.Array, key: jax.Array, own_key: jax.Array,
+            temperature: jax.Array, top_k: jax.Array, top_p: jax.Array) -> EngineState:
   """Queue requests [R] at (group, entry) [R] (EMPTY entries: the caller's to choose) with sequence numbers
-  seq [R] (admission order), prompt [R, T], prompt_len, max_new [R], key data [R, 2] and sampling
-  parameters temperature, top_k, top_p [R]."""
+  seq [R] (admission order and request ids), prompt [R, T], prompt_len, max_new [R], sampling parameters
+  temperature, top_k, top_p [R] and PRNG keys: key data [R, 2] where own_key [R], else fold_in(key(seed), seq)
+  (``seed`` [] uint32; derived here, so submitting costs no eager key arithmetic on the host)."""
   q = state.queue
+  derived = jax.vmap(lambda i: jax.random.key_data(jax.random.fold_in(jax.random.key(seed), i)))(seq)
+  key = jnp.where(own_key[:, None], key, derived)
   at = lambda a, v: a.at[group, entry].set(v)
   queue = q.replace(prompt=at(q.prompt, prompt), prompt_len=at(q.prompt_len, prompt_len),
                     max_new=at(q.max_new, max_new), key=at(q.key, key), temperature=at(q.temperature, temperature),
@@ -827,19 +830,20 @@ class Engine:
       groups.append(g)
       entries.append(e)
       ids.append(self._next_id + i)
-    seed = jax.random.key(self.sampling.seed)
     prompt = np.zeros((len(requests), self.plan.max_prompt), np.int32)
     for i, r in enumerate(requests):
       prompt[i, :len(r.prompt)] = r.prompt
-    keys = jnp.stack([jax.random.key_data(r.key if r.key is not None else jax.random.fold_in(seed, rid))
-                      for r, rid in zip(requests, ids)])
+    own = np.asarray([r.key is not None for r in requests])
+    keys = np.zeros((len(requests),) + key_shape(), np.uint32)
+    for i, r in enumerate(requests):
+      if r.key is not None:
+        keys[i] = np.asarray(jax.random.key_data(r.key))
     settings = np.asarray([self.request_sampling(r) for r in requests], np.float64)       # [R, 3]
-    self.state = enqueue(self.state, jnp.asarray(groups, jnp.int32), jnp.asarray(entries, jnp.int32),
-                         jnp.asarray(ids, jnp.int32), jnp.asarray(prompt),
-                         jnp.asarray([len(r.prompt) for r in requests], jnp.int32),
-                         jnp.asarray([r.max_new_tokens for r in requests], jnp.int32), keys,
-                         jnp.asarray(settings[:, 0], jnp.float32), jnp.asarray(settings[:, 1], jnp.int32),
-                         jnp.asarray(settings[:, 2], jnp.float32))
+    i32 = lambda x: np.asarray(x, np.int32)
+    self.state = enqueue(self.state, i32(groups), i32(entries), i32(ids), prompt,
+                         i32([len(r.prompt) for r in requests]), i32([r.max_new_tokens for r in requests]),
+                         np.uint32(self.sampling.seed), keys, own, settings[:, 0].astype(np.float32),
+                         settings[:, 1].astype(np.int32), settings[:, 2].astype(np.float32))
     for g, e, rid in zip(groups, entries, ids):
       self._entries[g][e] = rid
     self._next_id += len(requests)
