@@ -204,6 +204,7 @@ def engine_program(target: Qwen3Config, head_cfg, plan, mesh, sampling: str = "g
   """The engine's device loop (``engine.run_rounds``) for ``plan`` compiled with abstract bf16 weights, caches and
   state: caches sharded as ``qwen3.CACHE_AXES``, per-slot state replicated (``sampling``: ``ENGINE_SAMPLING``)."""
   from jetspec_jax.decode import engine
+  from jetspec_jax.decode.regime import regime_for
   from jetspec_jax.decode.sampling import SamplingConfig
   dtype = jnp.bfloat16
   shapes = jax.eval_shape(lambda: engine.init_state(plan, target, head_cfg, dtype, dtype))
@@ -216,10 +217,10 @@ def engine_program(target: Qwen3Config, head_cfg, plan, mesh, sampling: str = "g
   head_params = None if head_cfg is None else abstract_params(draft_head.param_specs(head_cfg), dtype, mesh)
   temperature = ENGINE_SAMPLING[sampling][1]
   s = (SamplingConfig(temperature, 20, 0.95, "rejection") if temperature else SamplingConfig()).resolved()
+  program = engine.RoundProgram(plan=plan, cfg=target, head_cfg=head_cfg, eos_ids=(),
+                                regime=regime_for(s, plan.per_request_sampling), attn_impl=attention, mesh=mesh)
   return engine.run_rounds.lower(target_params, head_params, state, small(jax.ShapeDtypeStruct((), jnp.int32)),
-                                 plan=plan, cfg=target, head_cfg=head_cfg, eos_ids=(), temperature=s.temperature,
-                                 top_k=s.top_k, top_p=s.top_p, accept=s.accept, attn_impl=attention,
-                                 mesh=mesh).compile()
+                                 program=program).compile()
 
 
 def round_plan(committed: int, slots: int, tree, sampling: str = "greedy", lanes: int = 1, prefill_rows: int = 64):

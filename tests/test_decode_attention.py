@@ -3,7 +3,6 @@
 import functools
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -115,17 +114,14 @@ def test_prefix_splits_in_the_engine_match_xla(monkeypatch):
 def test_the_engine_loop_lowers_for_cuda_with_the_kernel(triton_modules):
   """The whole jitted engine loop (``Engine.step``'s program: prefill lanes, tree verification; and AR), attention
   "pallas", lowers for a GPU on this CPU machine, and every Triton module it contains verifies."""
-  from jetspec_jax.decode.engine import run_rounds
   tp, hcfg, hp = models()
   requests = [Request(p, 10) for p in PROMPTS]
   texts = {}
   for name, kw in (("speculative", dict(head_cfg=hcfg, head_params=hp, tree=TREE)), ("ar", {})):
     engine = Engine.for_requests(CFG, tp, requests, slots=2, prefill_rows=8, eos_ids=(), attn_impl="pallas", **kw)
-    engine.start()
-    rounds = jnp.int32(1)
+    engine.start()                                   # the state on this machine's devices, then trace for CUDA
     with cuda_target():
-      traced = run_rounds.trace(engine.params, engine.head_params, engine.state, rounds, **engine._run_kwargs())
-      texts[name] = traced.lower(lowering_platforms=("cuda",)).as_text()
+      texts[name] = engine.trace(rounds=1).lower(lowering_platforms=("cuda",)).as_text()
   for name, text in texts.items():
     assert "__gpu$xla.gpu.triton" in text, name    # (one kernel function, called by every layer)
   assert triton_modules and all(error is None for _, error in triton_modules), triton_modules

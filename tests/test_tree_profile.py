@@ -241,7 +241,7 @@ def test_observe_ranks_counts_the_targets_rank_at_each_observed_depth():
   tree = type("T", (), {"candidates": cand, "candidate_logp": logp})()
   # row 0 accepted 1 token (6, rank 1), then the target said 7 (rank 0 of depth 2): depths 1, 2 observed;
   # row 1 accepted nothing and the target said 99 (not a candidate): depth 1 observed, no hit.
-  acc = Acceptance(path=jnp.zeros((2, 4), jnp.int32), depth=jnp.asarray([1, 0]), correction=jnp.asarray([7, 99]))
+  acc = Acceptance(path=jnp.zeros((2, 4), jnp.int32), accepted=jnp.asarray([1, 0]), correction=jnp.asarray([7, 99]))
   new = jnp.asarray([[6, 7, -1, -1], [99, -1, -1, -1]], jnp.int32)
   visits, hits, mass = jax.device_get(observe_ranks(tree, acc, new, jnp.asarray([True, True])))
   assert visits.tolist() == [[1, 1, 0], [1, 0, 0]]

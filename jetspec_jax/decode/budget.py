@@ -53,10 +53,10 @@ def node_scores(tree: Tree, table: jax.Array) -> jax.Array:
   return jnp.sum(jnp.where(tree.ancestors, own[:, None, :], 0.0), axis=-1)
 
 
-def pack(priority: jax.Array, rows: int, slots_per_group: int, span: int):
+def pack(priority: jax.Array, rows: int, slots_per_group: int, nodes: int):
   """Each group's ``rows`` best offered rows. priority [G, S * W] (slot-major; -inf: not offered).
   Returns [G, K] arrays: slot (``slots_per_group`` for padding), node, live, and the flat slot-major index."""
   best, index = jax.lax.top_k(priority, rows)
   live = best > -jnp.inf
-  return (jnp.where(live, index // span, slots_per_group).astype(jnp.int32), (index % span).astype(jnp.int32), live,
+  return (jnp.where(live, index // nodes, slots_per_group).astype(jnp.int32), (index % nodes).astype(jnp.int32), live,
           index)

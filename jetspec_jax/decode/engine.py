@@ -51,7 +51,9 @@ from jetspec_jax.attention import cache_rows
 from jetspec_jax.config import Qwen3Config
 from jetspec_jax.distributed import host_values
 from jetspec_jax.decode import budget, sampling, verify
+from jetspec_jax.decode.regime import Regime, regime_for
 from jetspec_jax.decode.sampling import SamplingConfig
+from jetspec_jax.decode.tree import Tree
 from jetspec_jax.decode.speculative import (DraftView, Drafter, TreeConfig, build_round_tree, head_drafter,
                                             observe_ranks)
 from jetspec_jax.errors import JetSpecError
@@ -64,6 +66,7 @@ EMPTY, QUEUED, RUNNING, FINISHED = 0, 1, 2, 3     # queue entry status
 TRANSFER_GUARDS = ("allow", "log", "disallow", "log_explicit", "disallow_explicit")
 
 
+@functools.cache
 def key_shape() -> tuple[int, ...]:
   """The shape of one PRNG key's data (computed on first use: nothing runs on a device at import)."""
   return jax.random.key_data(jax.random.key(0)).shape
@@ -73,17 +76,17 @@ PREFILL_SCORE_BYTES = 1 << 30    # per device and layer: the attention scores on
 
 
 def prefill_chunk(batch: int, heads: int, prompt_width: int, cache_len: int, mesh=None,
-                  budget: int = PREFILL_SCORE_BYTES) -> int:
+                  score_bytes: int = PREFILL_SCORE_BYTES) -> int:
   """The prefill chunk (query rows per forward) that keeps one layer's float32 attention scores
-  [B, H, chunk, cache_len] within ``budget`` bytes per device: 0 (the whole prompt in one forward) when
+  [B, H, chunk, cache_len] within ``score_bytes`` per device: 0 (the whole prompt in one forward) when
   it fits, else the largest power of two that does (at least 16). Batch and heads count per device."""
   if mesh is not None:
     data, model = mesh.shape["data"], mesh.shape["model"]
     batch, heads = -(-batch // data), -(-heads // model) if heads % model == 0 else heads
   per_row = batch * heads * cache_len * 4
-  if prompt_width * per_row <= budget:
+  if prompt_width * per_row <= score_bytes:
     return 0
-  return max(16, 1 << max(int(budget // per_row).bit_length() - 1, 0))
+  return max(16, 1 << max(int(score_bytes // per_row).bit_length() - 1, 0))
 
 
 def resolve_eos(cfg: Qwen3Config, eos_ids) -> tuple[int, ...]:
@@ -283,7 +286,8 @@ def place(state: EngineState, mesh=None) -> EngineState:
 def enqueue(state: EngineState, group: jax.Array, entry: jax.Array, seq: jax.Array, prompt: jax.Array,
             prompt_len: jax.Array, max_new: jax.Array, seed: jax.Array, key: jax.Array, own_key: jax.Array,
             temperature: jax.Array, top_k: jax.Array, top_p: jax.Array) -> EngineState:
-  """Queue requests [R] at (group, entry) [R] (EMPTY entries: the caller's to choose) with sequence numbers
+  """Queue requests [R] at (group, entry) [R] (entries the host holds free: EMPTY, or FINISHED and already
+  collected; the caller's to choose) with sequence numbers
   seq [R] (admission order and request ids), prompt [R, T], prompt_len, max_new [R], sampling parameters
   temperature, top_k, top_p [R] and PRNG keys: key data [R, 2] where own_key [R], else fold_in(key(seed), seq)
   (``seed`` [] uint32; derived here, so submitting costs no eager key arithmetic on the host)."""
@@ -296,12 +300,6 @@ def enqueue(state: EngineState, group: jax.Array, entry: jax.Array, seq: jax.Arr
                     top_k=at(q.top_k, top_k), top_p=at(q.top_p, top_p), status=at(q.status, QUEUED),
                     seq=at(q.seq, seq), tokens=at(q.tokens, -1), num_tokens=at(q.num_tokens, 0))
   return state.replace(queue=queue)
-
-
-@functools.partial(jax.jit, donate_argnames=("state",))
-def release(state: EngineState, group: jax.Array, entry: jax.Array) -> EngineState:
-  """Mark collected FINISHED entries EMPTY so the ring can reuse them."""
-  return state.replace(queue=state.queue.replace(status=state.queue.status.at[group, entry].set(EMPTY)))
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))
@@ -401,218 +399,297 @@ def flush(s: EngineState, plan: EnginePlan, mesh=None) -> EngineState:
   return with_control(_admit(s, plan, mesh), plan)
 
 
-def engine_round(target_params, head_params, s: EngineState, *, plan: EnginePlan, cfg: Qwen3Config,
-                 head_cfg: DraftConfig | None, eos_ids: tuple[int, ...], temperature: float, top_k: int,
-                 top_p: float, accept: str, attn_impl, mesh, drafter: Drafter = head_drafter,
-                 key_len: int | None = None, prefill: bool = True) -> EngineState:
-  """One round of every slot: prefill, draft, pack, verify, accept, commit (module docstring); no slot is done.
-  ``key_len``: the target's attention reads cache rows < key_len only (the caller checks no slot needs more).
-  ``prefill`` False: the body without lanes (the caller checks no slot is prefilling). ``drafter``: the per-depth
-  logits of the speculative rounds (``speculative.Drafter``; the JetSpec head by default).
-  temperature / top_k / top_p: the compiled setting, unused with ``plan.per_request_sampling``."""
-  tree_cfg = plan.tree
-  b, n, d, c = plan.slots, plan.nodes, plan.depth, plan.prefill_rows
-  per, k_per = plan.slots // plan.groups, plan.group_rows
-  target = qwen3.bind(cfg, target_params)
+@dataclasses.dataclass(frozen=True)
+class RoundProgram:
+  """Everything static in the engine's compiled loop, hashable: ``run_rounds``' one static argument. The plan,
+  the target's and head's configurations, EOS ids, the sampling regime (``decode.regime``), the attention
+  implementation, the mesh and the drafter (``speculative.Drafter``: a speculative round's per-depth logits)."""
+  plan: EnginePlan
+  cfg: Qwen3Config
+  head_cfg: DraftConfig | None
+  eos_ids: tuple[int, ...]
+  regime: Regime
+  attn_impl: object = "xla"
+  mesh: object = None
+  drafter: Drafter = head_drafter
+
+
+@flax.struct.dataclass
+class Slots:
+  """What a round knows of its slots [B] before it runs: which hold a request, are prefilling or decoding, the
+  round's keys (``sampling.step_keys`` at the request's next decode step) and the decoding slots' sampling
+  parameters (``regime.slot_settings``; empty for a compiled setting)."""
+  held: jax.Array
+  prefilling: jax.Array
+  decoding: jax.Array
+  keys: jax.Array           # [B] the requests' PRNG keys
+  round_keys: jax.Array     # [B]
+  settings: tuple
+
+
+@flax.struct.dataclass
+class Offer:
+  """The decode rows the slots offer, in the [B, N] layout: token ids, positions, the attention mask [B, N, N]
+  (a node sees its ancestors and itself) and priority (``budget.ROOT`` for a decoding slot's root, its node
+  scores, -inf where nothing is offered). Speculative: the round's tree, the processed draft log-probs
+  (None when greedy) and the draft cache with the round's context rows; AR: None."""
+  tokens: jax.Array
+  positions: jax.Array
+  mask: jax.Array
+  priority: jax.Array
+  tree: Tree | None = None
+  draft_logp: jax.Array | None = None
+  draft_cache: qwen3.KVCache | None = None
+
+
+@flax.struct.dataclass
+class Batch:
+  """The rows one target forward verifies: where they live (``packed``: the kept decode rows [G, K], then the
+  lanes' prompt rows), which offered rows were kept (``chosen`` [B, N]; ``live`` [G, K]: a packed row holds one),
+  token ids and positions [G, K + L * C], the mask [B, N, N] over kept nodes, the lanes' positions [G * L, C],
+  and per lane [G * L]: whether it serves a slot, its prompt rows left from its start and the rows it takes."""
+  packed: PackedRows
+  live: jax.Array
+  chosen: jax.Array
+  tokens: jax.Array
+  positions: jax.Array
+  mask: jax.Array
+  lane_positions: jax.Array
+  lane_live: jax.Array
+  lane_remaining: jax.Array
+  lane_take: jax.Array
+
+
+@flax.struct.dataclass
+class Verified:
+  """The target forward's outputs: decode rows' logits [G, K, V], the logits of each lane's last prompt row
+  [G * L, V], the caches with the round's rows written, and the head's taps of every row [G, K + L * C, F]."""
+  logits: jax.Array
+  lane_logits: jax.Array | None
+  cache: qwen3.KVCache
+  taps: jax.Array | None
+
+
+@flax.struct.dataclass
+class Accepted:
+  """Per slot [B]: the tokens a decoding slot commits (``new`` [B, D+1], ``count`` of them), its next anchor
+  (``correction``), the tree's acceptance (speculative) and the tree narrowed to the kept nodes; a prefilling
+  slot's ``consumed`` prompt rows, whether its prompt ``completes`` and then its ``first_token``."""
+  new: jax.Array
+  count: jax.Array
+  correction: jax.Array
+  acceptance: verify.Acceptance | None
+  tree: Tree | None
+  consumed: jax.Array
+  completes: jax.Array
+  first_token: jax.Array
+
+
+def _slots(s: EngineState, p: RoundProgram) -> Slots:
   held = s.entry >= 0
   prefilling = held & (s.prefix_len < s.prompt_len)
   decoding = held & ~prefilling
   keys = jax.random.wrap_key_data(s.key)
-  step_keys = sampling.step_keys(keys, s.steps + 1)
-  per_row = plan.per_request_sampling
-  greedy = not per_row and temperature == 0.0                  # every request greedy (compiled in)
-  row_params = (s.temperature, s.top_k, s.top_p) if per_row else ()
+  return Slots(held=held, prefilling=prefilling, decoding=decoding, keys=keys,
+               round_keys=sampling.step_keys(keys, s.steps + 1), settings=p.regime.slot_settings(s, decoding))
 
-  def params(rows=lambda x: x):
-    """The sampling parameters: the slots' own (mapped by ``rows``), or the compiled setting."""
-    return tuple(rows(x) for x in row_params) if per_row else (temperature, top_k, top_p)
 
-  # Per request, a round in which no decoding slot of a data shard samples takes the greedy tree and acceptance
-  # there (a cond per shard): greedy traffic does not pay for the sampled rule's sorts and acceptance walk.
-  dec_params = (jnp.where(decoding, s.temperature, 0.0), s.top_k, s.top_p) if per_row else ()
-
-  # Decode rows each slot offers, in the [B, N] attention layout.
+def _offer(target_params, head_params, s: EngineState, slots: Slots, p: RoundProgram) -> Offer:
+  """Draft (speculative): the drafter's per-depth logits, the round's tree and its nodes' priorities."""
+  plan, tree_cfg, regime = p.plan, p.plan.tree, p.regime
+  b, n = plan.slots, plan.nodes
   if tree_cfg is None:
-    dec_tokens, dec_pos = s.last_token[:, None], s.prefix_len[:, None]
-    dec_mask = jnp.ones((b, 1, 1), bool)
-    priority = jnp.where(decoding, budget.ROOT, -jnp.inf)[:, None]
-  else:
-    with jax.named_scope("jetspec_draft"):
-      head = draft_head.bind(head_cfg, head_params)
-      view = DraftView(cache=s.cache, draft_cache=s.draft_cache, last_token=s.last_token, prefix_len=s.prefix_len,
-                       keys=step_keys)
-      depth_logits, draft_cache = drafter(target_params, head_params, view, cfg=cfg, head_cfg=head_cfg,
-                                          tree_cfg=tree_cfg, attn_impl=attn_impl, mesh=mesh)
-    with jax.named_scope("jetspec_tree"):
-      def tree_and_scores(anchor, logits, round_keys, hits, mass, *rows):
-        def build(t, k, p):
-          tree, draft_logp = build_round_tree(anchor, logits, round_keys, tree_cfg, temperature=t, top_k=k,
-                                              top_p=p, accept=accept, counts=(hits, mass))
-          # The shape's log-probs (sorted top-W): with the rejection rule the tree holds sampled tokens, and
-          # what a round keeps must not depend on which were drawn.
-          shape_logp = tree.candidate_logp
-          if draft_logp is not None and accept == "rejection":
-            shape_logp = jax.lax.top_k(draft_logp, tree_cfg.num_candidates)[0]
-            if not sampling.is_fixed(t, k, p):
-              shape_logp = jnp.where((t <= 0)[:, None, None], tree.candidate_logp, shape_logp)
-          if draft_logp is None and rows:
-            draft_logp = jnp.zeros(logits.shape, jnp.float32)
-          if not plan.budget_binds:            # every offered node is kept: no scores to rank them by
-            return tree, draft_logp, jnp.zeros(tree.tokens.shape, jnp.float32)
-          return tree, draft_logp, budget.node_scores(tree, budget.rank_scores(shape_logp, tree_cfg, (hits, mass)))
+    return Offer(tokens=s.last_token[:, None], positions=s.prefix_len[:, None], mask=jnp.ones((b, 1, 1), bool),
+                 priority=jnp.where(slots.decoding, budget.ROOT, -jnp.inf)[:, None])
+  with jax.named_scope("jetspec_draft"):
+    view = DraftView(cache=s.cache, draft_cache=s.draft_cache, last_token=s.last_token, prefix_len=s.prefix_len,
+                     keys=slots.round_keys)
+    depth_logits, draft_cache = p.drafter(target_params, head_params, view, cfg=p.cfg, head_cfg=p.head_cfg,
+                                          tree_cfg=tree_cfg, attn_impl=p.attn_impl, mesh=p.mesh)
+  with jax.named_scope("jetspec_tree"):
+    def tree_and_scores(anchor, logits, round_keys, hits, mass, *rows):
+      def build(t, k, top_p):
+        tree, draft_logp = build_round_tree(anchor, logits, round_keys, tree_cfg, temperature=t, top_k=k,
+                                            top_p=top_p, accept=regime.accept, counts=(hits, mass))
+        if not plan.budget_binds:            # every offered node is kept: no scores to rank them by
+          return tree, draft_logp, jnp.zeros(tree.tokens.shape, jnp.float32)
+        # The shape's log-probs (sorted top-W): with the rejection rule the tree holds sampled tokens, and
+        # what a round keeps must not depend on which were drawn.
+        shape_logp = tree.candidate_logp
+        if draft_logp is not None and regime.accept == "rejection":
+          shape_logp = jax.lax.top_k(draft_logp, tree_cfg.num_candidates)[0]
+          if not sampling.is_fixed(t, k, top_p):
+            shape_logp = jnp.where((t <= 0)[:, None, None], tree.candidate_logp, shape_logp)
+        return tree, draft_logp, budget.node_scores(tree, budget.rank_scores(shape_logp, tree_cfg, (hits, mass)))
+      return regime.tree(build, *rows)
 
-        if not rows:
-          return build(*params())
-        return jax.lax.cond(jnp.any(rows[0] > 0), lambda: build(*rows), lambda: build(0.0, 0, 1.0))
+    if not regime.greedy:                    # sampling's per-row sorts want whole rows (sharding.whole_vocab)
+      depth_logits = whole_vocab(depth_logits, p.mesh)
+    tree, draft_logp, scores = per_data_shard(tree_and_scores, p.mesh)(s.last_token, depth_logits, slots.round_keys,
+                                                                       s.rank_hits, s.rank_mass, *slots.settings)
+  node_priority = jnp.where(tree.valid, jnp.where(jnp.arange(n) == 0, budget.ROOT, scores), -jnp.inf)
+  return Offer(tokens=tree.tokens, positions=s.prefix_len[:, None] + tree.depths, mask=tree.ancestors,
+               priority=jnp.where(slots.decoding[:, None], node_priority, -jnp.inf), tree=tree,
+               draft_logp=draft_logp, draft_cache=draft_cache)
 
-      if not greedy:                         # sampling's per-row sorts want whole rows (sharding.whole_vocab)
-        depth_logits = whole_vocab(depth_logits, mesh)
-      tree, draft_logp, scores = per_data_shard(tree_and_scores, mesh)(s.last_token, depth_logits, step_keys,
-                                                                       s.rank_hits, s.rank_mass, *dec_params)
-    dec_tokens, dec_pos, dec_mask = tree.tokens, s.prefix_len[:, None] + tree.depths, tree.ancestors
-    node_priority = jnp.where(tree.valid, jnp.where(jnp.arange(n) == 0, budget.ROOT, scores), -jnp.inf)
-    priority = jnp.where(decoding[:, None], node_priority, -jnp.inf)
 
+def _pack(s: EngineState, slots: Slots, offer: Offer, p: RoundProgram, key_len: int | None,
+          prefill: bool) -> Batch:
+  """Budget: each group keeps its ``plan.group_rows`` best offered rows; the prefill lanes (``_lanes``) join them."""
+  plan = p.plan
+  g, per, n, c = plan.groups, plan.slots // plan.groups, plan.nodes, plan.prefill_rows
   with jax.named_scope("jetspec_budget"):
     if plan.budget_binds:
-      pack = functools.partial(budget.pack, rows=k_per, slots_per_group=per, span=n)
-      slot, node, live, index = per_data_shard(pack, mesh)(priority.reshape(plan.groups, per * n))
+      pack = functools.partial(budget.pack, rows=plan.group_rows, slots_per_group=per, nodes=n)
+      slot, node, live, index = per_data_shard(pack, p.mesh)(offer.priority.reshape(g, per * n))
     else:                                     # every offered row is kept, in the [B, N] layout's own order
-      live = priority.reshape(plan.groups, per * n) > -jnp.inf
+      live = offer.priority.reshape(g, per * n) > -jnp.inf
       index = jnp.broadcast_to(jnp.arange(per * n, dtype=jnp.int32), live.shape)
       slot, node = jnp.where(live, index // n, per).astype(jnp.int32), index % n
     if prefill:
-      lane_slot, lane_start, lane_tokens = _lanes(s, plan, prefilling, mesh)
+      lane_slot, lane_start, lane_tokens = _lanes(s, plan, slots.prefilling, p.mesh)
     else:
-      lane_slot = lane_start = jnp.zeros((plan.groups, 0), jnp.int32)
+      lane_slot = lane_start = jnp.zeros((g, 0), jnp.int32)
       lane_tokens = jnp.zeros((0, c), jnp.int32)
     # Decode rows are written at prefix_len: past every committed row (a prefilling slot's lanes write after them).
     packed = PackedRows(slot=slot, node=node, lane_slot=lane_slot, lane_start=lane_start, write_start=s.prefix_len,
-                        slots_per_group=per, span=n, lane_rows=c, key_len=key_len, dense=not plan.budget_binds)
+                        slots_per_group=per, nodes=n, lane_rows=c, key_len=key_len, dense=not plan.budget_binds)
     chosen = packed.scatter(live[..., None])[..., 0]                                   # [B, N]
-    mask = (dec_mask & chosen[:, None, :]) | jnp.eye(n, dtype=bool)[None]
-    flat_rows = ((lambda x: x.reshape(plan.groups, per * n)) if packed.dense else
-                 (lambda x: jnp.take_along_axis(x.reshape(plan.groups, per * n), index, axis=1)))
-    lane_pos = packed.lane_start.reshape(-1)[:, None] + jnp.arange(c)[None, :]
-    join = lambda dec_rows, lane_rows: jnp.concatenate([dec_rows, lane_rows.reshape(plan.groups, -1)], axis=1)
+    flat = ((lambda x: x.reshape(g, per * n)) if packed.dense else
+            (lambda x: jnp.take_along_axis(x.reshape(g, per * n), index, axis=1)))
+    lane_positions = packed.lane_start.reshape(-1)[:, None] + jnp.arange(c)[None, :]
+    join = lambda dec_rows, lane_rows: jnp.concatenate([dec_rows, lane_rows.reshape(g, -1)], axis=1)
+    # A lane's prompt rows this round (its slot's rows left from the lane's start, at most C).
+    lane_remaining = packed.lane_sequences(s.prompt_len) - packed.lane_start.reshape(-1)
+    lane_live = packed.lane_slot.reshape(-1) < per
+    return Batch(packed=packed, live=live, chosen=chosen, tokens=join(flat(offer.tokens), lane_tokens),
+                 positions=join(flat(offer.positions), lane_positions),
+                 mask=(offer.mask & chosen[:, None, :]) | jnp.eye(n, dtype=bool)[None],
+                 lane_positions=lane_positions, lane_live=lane_live, lane_remaining=lane_remaining,
+                 lane_take=jnp.where(lane_live, jnp.minimum(lane_remaining, c), 0))
 
+
+def _verify(target_params, s: EngineState, slots: Slots, batch: Batch, p: RoundProgram) -> Verified:
+  """ONE target forward over the kept decode rows and the lanes' rows; logits of the decode rows and of each
+  lane's last prompt row."""
+  target = qwen3.bind(p.cfg, target_params)
   with jax.named_scope("jetspec_verify"):
-    taps_at = () if tree_cfg is None else head_cfg.target_layer_ids
+    taps_at = () if p.plan.tree is None else p.head_cfg.target_layer_ids
     # Slots not decoding attend from row 0 (their decode rows are discarded): nothing of them is read.
-    h, cache, taps = target.hidden(join(flat_rows(dec_tokens), lane_tokens), join(flat_rows(dec_pos), lane_pos),
-                                   mask, cache=s.cache, prefix_len=jnp.where(decoding, s.prefix_len, 0),
-                                   tap_layers=taps_at,
-                                   attn_impl=attn_impl, mesh=mesh, packed=packed)
-    h_dec, h_lane = packed.split(h)
-    logits = target.logits(h_dec)                                                      # [G, K, V]
-    # A lane's prompt rows this round, and the last one's logits (its slot's first token if the prompt ends).
-    if prefill:
-      lane_remaining = packed.lane_sequences(s.prompt_len) - packed.lane_start.reshape(-1)
-      lane_live = packed.lane_slot.reshape(-1) < per
-      lane_take = jnp.where(lane_live, jnp.minimum(lane_remaining, c), 0)
-      lane_last = jnp.take_along_axis(h_lane, jnp.maximum(lane_take - 1, 0)[:, None, None], axis=1)[:, 0]
-      lane_logits = target.logits(lane_last)                                           # [G * L, V]
+    h, cache, taps = target.hidden(batch.tokens, batch.positions, batch.mask, cache=s.cache,
+                                   prefix_len=jnp.where(slots.decoding, s.prefix_len, 0), tap_layers=taps_at,
+                                   attn_impl=p.attn_impl, mesh=p.mesh, packed=batch.packed)
+    h_dec, h_lane = batch.packed.split(h)
+    lane_logits = None
+    if batch.packed.num_lanes:
+      last = jnp.take_along_axis(h_lane, jnp.maximum(batch.lane_take - 1, 0)[:, None, None], axis=1)[:, 0]
+      lane_logits = target.logits(last)                                                # [G * L, V]
+    return Verified(logits=target.logits(h_dec), lane_logits=lane_logits, cache=cache, taps=taps)
 
+
+def _accept(s: EngineState, slots: Slots, offer: Offer, batch: Batch, verified: Verified,
+            p: RoundProgram) -> Accepted:
+  """Accept (greedy or sampled, as ``p.regime``) each decoding slot's tokens; a completed prompt's first token."""
+  plan, regime, mesh, packed = p.plan, p.regime, p.mesh, batch.packed
+  b, n, d = plan.slots, plan.nodes, plan.depth
+  per = plan.slots // plan.groups
   with jax.named_scope("jetspec_accept"):
-    if prefill:                               # the lane holding a prompt's last row draws its slot's first token
-      lane_completes = lane_live & (lane_take == lane_remaining)
-      lane_keys = sampling.step_keys(packed.lane_sequences(keys), 0)
-      if greedy:
-        lane_first = sampling.sample_tokens(lane_logits, lane_keys, temperature)
-      else:                                   # lanes are grouped by data shard, as slots
-        lane_first = per_data_shard(lambda lg, keys, *rows: sampling.sample_tokens(lg, keys, *(rows or params())),
-                                    mesh)(whole_vocab(lane_logits, mesh), lane_keys,
-                                          *(params(packed.lane_sequences) if per_row else ()))
-      consumed = packed.sum_lane_sequences(lane_take)
+    consumed, completes, first = jnp.zeros((b,), jnp.int32), jnp.zeros((b,), bool), jnp.zeros((b,), jnp.int32)
+    if packed.num_lanes:                      # the lane holding a prompt's last row draws its slot's first token
+      lane_completes = batch.lane_live & (batch.lane_take == batch.lane_remaining)
+      lane_keys = sampling.step_keys(packed.lane_sequences(slots.keys), 0)
+      lane_first = regime.first_tokens(verified.lane_logits, lane_keys, mesh,
+                                       *regime.lane_settings(s, packed.lane_sequences))
+      consumed = packed.sum_lane_sequences(batch.lane_take)
       completes = packed.set_lane_sequences(jnp.zeros((b,), bool), lane_completes, keep=lane_completes)
       first = packed.set_lane_sequences(jnp.zeros((b,), jnp.int32), lane_first, keep=lane_completes)
     # Row r of the [B, N] layout -> its packed row (for logits; unchosen rows read packed row 0).
-    row_of = packed.scatter(jnp.broadcast_to(jnp.arange(k_per, dtype=jnp.int32), live.shape)[..., None])[..., 0]
+    row_of = packed.scatter(jnp.broadcast_to(jnp.arange(plan.group_rows, dtype=jnp.int32), batch.live.shape)[..., None])[..., 0]
 
     def node_logits(cols):                                                   # cols [B, R] -> [B, R, V]
       rows = jnp.take_along_axis(row_of, cols, axis=1).reshape(plan.groups, per, -1)
-      out = jax.vmap(lambda lg, r: lg[r])(logits, rows)
+      out = jax.vmap(lambda lg, r: lg[r])(verified.logits, rows)
       return whole_vocab(out.reshape((b,) + out.shape[2:]), mesh)
 
-    if greedy or per_row:
-      next_tokens = packed.scatter(jnp.argmax(logits, axis=-1).astype(jnp.int32)[..., None])[..., 0]   # [B, N]
-    if tree_cfg is None:
-      if greedy:
-        new = next_tokens
-      elif per_row:
-        def choose(lg, keys, greedy_next, t, k, p):
-          sampled = lambda: sampling.sample_tokens(lg, keys, t[:, None], k[:, None], p[:, None])
-          return jax.lax.cond(jnp.any(t > 0), sampled, lambda: greedy_next)
-        new = per_data_shard(choose, mesh)(node_logits(jnp.zeros((b, 1), jnp.int32)), step_keys[:, None], next_tokens,
-                                           *dec_params)
-      else:
-        new = per_data_shard(lambda lg, keys: sampling.sample_tokens(lg, keys, temperature, top_k, top_p), mesh)(
-            node_logits(jnp.zeros((b, 1), jnp.int32)), step_keys[:, None])
-      count = jnp.ones((b,), jnp.int32)
-      correction = new[:, 0]
-    else:
-      tree = tree.replace(valid=tree.valid & chosen)
-      node_lg = lambda: node_logits(jnp.broadcast_to(jnp.arange(n), (b, n)))
-      sampled_acceptance = functools.partial(verify.sample_accept, rule=accept, max_depth=d,
-                                             width=tree_cfg.num_candidates)
-      if greedy:
-        acc = verify.greedy_accept(tree, next_tokens, d)
-      elif per_row:
-        def accept_rows(tree, lg, draft_lp, keys, greedy_next, t, k, p):
-          greedy_acc = verify.greedy_accept(tree, greedy_next, d)
+    argmax_next = None
+    if regime.argmax:
+      argmax_next = packed.scatter(jnp.argmax(verified.logits, axis=-1).astype(jnp.int32)[..., None])[..., 0]  # [B, N]
+    if plan.tree is None:
+      new = regime.ar_tokens(lambda: node_logits(jnp.zeros((b, 1), jnp.int32)), slots.round_keys, argmax_next, mesh,
+                             *slots.settings)
+      return Accepted(new=new, count=jnp.ones((b,), jnp.int32), correction=new[:, 0], acceptance=None, tree=None,
+                      consumed=consumed, completes=completes, first_token=first)
+    tree = offer.tree.replace(valid=offer.tree.valid & batch.chosen)
+    acc = regime.accept_tree(tree, lambda: node_logits(jnp.broadcast_to(jnp.arange(n), (b, n))), offer.draft_logp,
+                             slots.round_keys, argmax_next, mesh, *slots.settings, depth=d,
+                             width=plan.tree.num_candidates)
+    new, count = verify.accepted_tokens(tree, acc)
+    return Accepted(new=new, count=count, correction=acc.correction, acceptance=acc, tree=tree, consumed=consumed,
+                    completes=completes, first_token=first)
 
-          def sampled():                       # greedy requests keep the target's argmax path, exactly
-            acc = sampled_acceptance(tree, lg, draft_lp if accept == "rejection" else None, keys, temperature=t,
-                                     top_k=k, top_p=p)
-            return jax.tree.map(lambda g_, s_: jnp.where((t <= 0).reshape((-1,) + (1,) * (g_.ndim - 1)), g_, s_),
-                                greedy_acc, acc)
-          return jax.lax.cond(jnp.any(t > 0), sampled, lambda: greedy_acc)
-        acc = per_data_shard(accept_rows, mesh)(tree, node_lg(), draft_logp, step_keys, next_tokens, *dec_params)
-      else:
-        acc = per_data_shard(functools.partial(sampled_acceptance, temperature=temperature, top_k=top_k, top_p=top_p),
-                             mesh)(tree, node_lg(), draft_logp if accept == "rejection" else None, step_keys)
-      new, count = verify.accepted_tokens(tree, acc)
-      correction = acc.correction
 
+def _commit(head_params, s: EngineState, slots: Slots, offer: Offer, batch: Batch, verified: Verified,
+            accepted: Accepted, p: RoundProgram) -> EngineState:
+  """Commit: tokens, lengths and counts; the speculative caches compacted to the accepted path and the head's
+  context rows appended. A slot whose request finished is ``done`` (``flush`` frees it after the round)."""
+  plan, packed = p.plan, batch.packed
+  b, d = plan.slots, plan.depth
+  decoding = slots.decoding
   with jax.named_scope("jetspec_commit"):
-    out, num, done_dec, appended = verify.commit_tokens(s.tokens, s.num_tokens, ~decoding, new, count, eos_ids, s.max_new)
+    out, num, done_dec, appended = verify.commit_tokens(s.tokens, s.num_tokens, ~decoding, accepted.new,
+                                                        accepted.count, p.eos_ids, s.max_new)
     finished = decoding & done_dec
     prefix_len = s.prefix_len + jnp.where(decoding, appended, 0)
-    last_token = jnp.where(decoding, correction, s.last_token)
+    last_token = jnp.where(decoding, accepted.correction, s.last_token)
     first_round = s.first
-    if prefill:                               # prompts completed this round: their first tokens
-      out, num, done_first, _ = verify.commit_tokens(out, num, ~completes, first[:, None], jnp.ones((b,), jnp.int32),
-                                              eos_ids, s.max_new)
+    if packed.num_lanes:                      # prompts completed this round: their first tokens
+      completes = accepted.completes
+      out, num, done_first, _ = verify.commit_tokens(out, num, ~completes, accepted.first_token[:, None],
+                                                     jnp.ones((b,), jnp.int32), p.eos_ids, s.max_new)
       finished = finished | (completes & done_first)
-      prefix_len = prefix_len + consumed
-      last_token = jnp.where(completes, first, last_token)
+      prefix_len = prefix_len + accepted.consumed
+      last_token = jnp.where(completes, accepted.first_token, last_token)
       first_round = jnp.where(completes, s.round, s.first)
-    steps = s.steps + decoding.astype(jnp.int32)
+    cache = verified.cache
     depth_hist, depth_visits, rank_hits, rank_mass = s.depth_hist, s.depth_visits, s.rank_hits, s.rank_mass
-    draft_out = None
-    if tree_cfg is None:
+    draft_cache = None
+    if plan.tree is None:
       depth_hist = depth_hist + decoding[:, None].astype(jnp.int32)
     else:
+      acc = accepted.acceptance
+      head = draft_head.bind(p.head_cfg, head_params)
       cache = verify.compact_cache(cache, s.prefix_len, jnp.where(decoding[:, None], acc.path, jnp.arange(d + 1)))
-      taps_dec, taps_lane = packed.split(taps)
+      taps_dec, taps_lane = packed.split(verified.taps)
       path_taps = jnp.take_along_axis(packed.scatter(taps_dec), acc.path[:, :, None], axis=1)     # [B, D+1, F]
-      draft_out = head.append_context(draft_cache, path_taps, s.prefix_len)
-      if prefill:                             # the lanes' context rows, each written in place at its own row
-        lane_ctx = head.context_kv(taps_lane, lane_pos)                  # per layer [G * L, Hkv, C, Dh]
+      draft_cache = head.append_context(offer.draft_cache, path_taps, s.prefix_len)
+      if packed.num_lanes:                    # the lanes' context rows, each written in place at its own row
+        lane_ctx = head.context_kv(taps_lane, batch.lane_positions)      # per layer [G * L, Hkv, C, Dh]
         seq, at = packed.lane_cache_rows()
         rows_of = lambda x: x.transpose(0, 2, 1, 3).reshape((plan.groups, -1) + x.shape[1:2] + x.shape[3:])
         write = lambda c_, rows: packed.put_rows(c_, rows_of(rows), seq, at)
-        draft_out = qwen3.KVCache(k=tuple(write(c_, k) for c_, (k, _) in zip(draft_out.k, lane_ctx)),
-                                  v=tuple(write(c_, v) for c_, (_, v) in zip(draft_out.v, lane_ctx)))
-      depth_hist = depth_hist + jax.nn.one_hot(acc.depth, d + 1, dtype=jnp.int32) * decoding[:, None]
-      visits, hits, mass = observe_ranks(tree, acc, new, decoding)
+        draft_cache = qwen3.KVCache(k=tuple(write(c_, k) for c_, (k, _) in zip(draft_cache.k, lane_ctx)),
+                                    v=tuple(write(c_, v) for c_, (_, v) in zip(draft_cache.v, lane_ctx)))
+      depth_hist = depth_hist + jax.nn.one_hot(acc.accepted, d + 1, dtype=jnp.int32) * decoding[:, None]
+      visits, hits, mass = observe_ranks(accepted.tree, acc, accepted.new, decoding)
       depth_visits, rank_hits, rank_mass = depth_visits + visits, rank_hits + hits, rank_mass + mass
+  return s.replace(prefix_len=prefix_len, last_token=last_token, tokens=out, num_tokens=num,
+                   steps=s.steps + decoding.astype(jnp.int32), first=first_round, done=finished, cache=cache,
+                   draft_cache=draft_cache, depth_hist=depth_hist, depth_visits=depth_visits, rank_hits=rank_hits,
+                   rank_mass=rank_mass, round=s.round + 1, busy=s.busy + slots.held.astype(jnp.int32))
 
-  # Finished slots wait, done, for the flush after this round (``flush``).
-  return s.replace(prefix_len=prefix_len, last_token=last_token, tokens=out, num_tokens=num, steps=steps,
-                   first=first_round, done=finished, cache=cache, draft_cache=draft_out,
-                   depth_hist=depth_hist, depth_visits=depth_visits, rank_hits=rank_hits, rank_mass=rank_mass,
-                   round=s.round + 1, busy=s.busy + held.astype(jnp.int32))
+
+def engine_round(target_params, head_params, s: EngineState, *, program: RoundProgram, key_len: int | None = None,
+                 prefill: bool = True) -> EngineState:
+  """One round of every slot, as its stages (module docstring): draft (``_offer``), budget and lanes
+  (``_pack``), one target forward (``_verify``), acceptance (``_accept``), commit (``_commit``); admission and
+  finishing run between rounds (``flush``). ``key_len``: the target's attention reads cache rows < key_len only
+  (the caller checks no slot needs more). ``prefill`` False: the body without lanes (no slot is prefilling)."""
+  slots = _slots(s, program)
+  offer = _offer(target_params, head_params, s, slots, program)
+  batch = _pack(s, slots, offer, program, key_len, prefill)
+  verified = _verify(target_params, s, slots, batch, program)
+  accepted = _accept(s, slots, offer, batch, verified, program)
+  return _commit(head_params, s, slots, offer, batch, verified, accepted, program)
 
 
 def with_control(s: EngineState, plan: EnginePlan) -> EngineState:
@@ -635,19 +712,14 @@ def with_control(s: EngineState, plan: EnginePlan) -> EngineState:
   return s.replace(control=jnp.stack([pending, 2 * bucket + prefill, due]).astype(jnp.int32))
 
 
-@functools.partial(jax.jit, static_argnames=("plan", "cfg", "head_cfg", "eos_ids", "temperature", "top_k", "top_p",
-                                             "accept", "attn_impl", "mesh", "drafter"),
-                   donate_argnames=("state",))
-def run_rounds(target_params, head_params, state: EngineState, max_rounds: jax.Array, *, plan: EnginePlan,
-               cfg: Qwen3Config, head_cfg: DraftConfig | None, eos_ids: tuple[int, ...], temperature: float = 0.0,
-               top_k: int = 0, top_p: float = 1.0, accept: str = "rejection", attn_impl="xla",
-               mesh=None, drafter: Drafter = head_drafter) -> EngineState:
+@functools.partial(jax.jit, static_argnames=("program",), donate_argnames=("state",))
+def run_rounds(target_params, head_params, state: EngineState, max_rounds: jax.Array, *,
+               program: RoundProgram) -> EngineState:
   """Rounds until no request is pending or ``max_rounds`` (a traced int: one program serves offline
   runs and segments) more have run; the state is donated."""
+  plan = program.plan
   stop = state.round + max_rounds
-  body = functools.partial(engine_round, target_params, head_params, plan=plan, cfg=cfg, head_cfg=head_cfg,
-                           eos_ids=eos_ids, temperature=temperature, top_k=top_k, top_p=top_p, accept=accept,
-                           attn_impl=attn_impl, mesh=mesh, drafter=drafter)
+  body = functools.partial(engine_round, target_params, head_params, program=program)
   going = lambda s: (s.control[0] > 0) & (s.round < stop)
   # One round body per (key length, with or without prefill lanes); the body changes rarely (a prompt
   # arriving or completing, a request growing past a length, the longest one finishing): one switch then.
@@ -659,10 +731,10 @@ def run_rounds(target_params, head_params, state: EngineState, max_rounds: jax.A
     return lambda s: jax.lax.while_loop(lambda s: going(s) & (s.control[1] == v) & (s.control[2] == 0), step, s)
 
   def rounds(s):                       # flush (finish, admit), then rounds of one body until the next flush is due
-    s = flush(s, plan, mesh)
+    s = flush(s, plan, program.mesh)
     return jax.lax.switch(s.control[1], [rounds_in(v) for v in range(len(variants))], s)
   state = jax.lax.while_loop(going, rounds, with_control(state, plan))
-  return flush(state, plan, mesh)                 # the segment's finished requests in the queue, free slots admitted
+  return flush(state, plan, program.mesh)         # the segment's finished requests in the queue, free slots admitted
 
 
 @dataclasses.dataclass(frozen=True)
@@ -768,6 +840,7 @@ class Engine:
     self.sampling = given.resolved()
     if plan.per_request_sampling:          # sampled requests take the rule even when the default is greedy
       self.sampling = dataclasses.replace(self.sampling, accept=given.accept)
+    self.regime = regime_for(self.sampling, plan.per_request_sampling)
     self.eos = resolve_eos(target_cfg, eos_ids)
     self.attn_impl, self.mesh, self.drafter = attn_impl, mesh, drafter
     self.transfer_guard, self.on_fetch = transfer_guard, on_fetch
@@ -857,24 +930,29 @@ class Engine:
     p = s.top_p if r.top_p is None else float(r.top_p)
     return (0.0, 0, 1.0) if t == 0.0 else (t, k, p)
 
-  def _run_kwargs(self) -> dict:
-    s = self.sampling
-    return dict(plan=self.plan, cfg=self.cfg, head_cfg=self.head_cfg, eos_ids=self.eos, temperature=s.temperature,
-                top_k=s.top_k, top_p=s.top_p, accept=s.accept, attn_impl=self.attn_impl, mesh=self.mesh,
-                drafter=self.drafter)
+  @property
+  def program(self) -> RoundProgram:
+    """The static half of the compiled loop (``run_rounds``)."""
+    return RoundProgram(plan=self.plan, cfg=self.cfg, head_cfg=self.head_cfg, eos_ids=self.eos, regime=self.regime,
+                        attn_impl=self.attn_impl, mesh=self.mesh, drafter=self.drafter)
 
-  def lower(self, rounds: int = 1 << 30) -> jax.stages.Lowered:
-    """The program ``step`` runs, lowered (neither run nor donated)."""
+  def trace(self, rounds: int = 1 << 30) -> jax.stages.Traced:
+    """The program ``step`` runs, traced (lower it for this backend, or ``.lower(lowering_platforms=...)`` for
+    another)."""
     if self.state is None:
       self.start()
-    return run_rounds.lower(self.params, self.head_params, self.state, jnp.int32(rounds), **self._run_kwargs())
+    return run_rounds.trace(self.params, self.head_params, self.state, np.int32(rounds), program=self.program)
+
+  def lower(self, rounds: int = 1 << 30) -> jax.stages.Lowered:
+    """The program ``step`` runs, lowered for this backend (neither run nor donated)."""
+    return self.trace(rounds).lower()
 
   def step(self, rounds: int = 1 << 30) -> list[RequestResult]:
     """Run at most ``rounds`` rounds (until nothing is pending); returns the requests finished since the
     last step, their queue entries freed for new requests."""
     if self.state is None:
       self.start()
-    call = lambda: run_rounds(self.params, self.head_params, self.state, jnp.int32(rounds), **self._run_kwargs())
+    call = lambda: run_rounds(self.params, self.head_params, self.state, np.int32(rounds), program=self.program)
     if self.transfer_guard is None:
       self.state = call()
     else:
@@ -898,7 +976,6 @@ class Engine:
       out.append(RequestResult(id=self._entries[g].pop(e), tokens=tokens[i, :num[i]].tolist(), steps=int(steps[i]),
                                depth_histogram=hist[i], depth_visits=visits[i], rank_hits=hits[i], rank_mass=mass[i],
                                admitted=int(admitted[i]), first=int(first[i]), finished=int(finished[i])))
-    self.state = release(self.state, jnp.asarray(g_idx), jnp.asarray(e_idx))
     return out
 
   def progress(self) -> dict[int, list[int]]:

@@ -64,7 +64,7 @@ class TreeConfig:
     """Candidates per depth W of the round's tree (1 for a chain)."""
     return 1 if self.method == "chain" else self.width
 
-  def acceptance(self):
+  def fitted_profile(self):
     """The profile fitted to this tree ([D, W] numpy, non-increasing in rank), or None."""
     return None if self.profile is None else self.profile.fitted(self.depth, self.width)
 
@@ -95,7 +95,7 @@ class TreeConfig:
     if not self.prior_strength > 0:
       raise JetSpecError(f"prior strength must be > 0; got {self.prior_strength}")
     if self.profile is not None and self.method != "chain":
-      self.acceptance()                                  # raises when the profile is too shallow or narrow
+      self.fitted_profile()                                # raises when the profile is too shallow or narrow
 
 
 def observe_ranks(tree, acc, new: jax.Array, active: jax.Array):
@@ -103,7 +103,7 @@ def observe_ranks(tree, acc, new: jax.Array, active: jax.Array):
   tree's candidates, the acceptance and the committed tokens new [B, D+1] (new[:, d-1] is the target's
   token at depth d for d <= depth + 1: a path token, then the correction)."""
   depth = tree.candidates.shape[1]
-  observed = active[:, None] & (jnp.arange(1, depth + 1)[None, :] <= acc.depth[:, None] + 1)        # [B, D]
+  observed = active[:, None] & (jnp.arange(1, depth + 1)[None, :] <= acc.accepted[:, None] + 1)        # [B, D]
   hits = observed[..., None] & (tree.candidates == new[:, :depth, None])
   mass = jnp.where(observed[..., None], jnp.exp(tree.candidate_logp), 0.0)
   return observed.astype(jnp.int32), hits.astype(jnp.int32), mass
@@ -159,7 +159,7 @@ def build_round_tree(anchor, depth_logits, keys, tree_cfg: TreeConfig, *, temper
   others theirs."""
   kw = dict(method=tree_cfg.method, budget=tree_cfg.budget, width=tree_cfg.width)
   if tree_cfg.method != "chain":
-    kw.update(acceptance=tree_cfg.acceptance(), cap_threshold=tree_cfg.cap_threshold,
+    kw.update(acceptance=tree_cfg.fitted_profile(), cap_threshold=tree_cfg.cap_threshold,
               prior_strength=tree_cfg.prior_strength)
   if tree_cfg.method == "calibrated":
     kw["counts"] = calibration_counts(tree_cfg, counts)

@@ -36,11 +36,11 @@ def verify_tree(params, cfg, tree: Tree, cache: qwen3.KVCache, prefix_len: jax.A
 class Acceptance:
   """Outcome of one round per sequence.
 
-  path [B, D+1]: node index at each depth of the accepted path (entries past ``depth`` repeat the
-  deepest node); depth [B]: matched draft tokens; correction [B]: the target's token after the path.
+  path [B, D+1]: node index at each depth of the accepted path (entries past ``accepted`` repeat the
+  deepest node); accepted [B]: matched draft tokens; correction [B]: the target's token after the path.
   """
   path: jax.Array
-  depth: jax.Array
+  accepted: jax.Array
   correction: jax.Array
 
 
@@ -60,7 +60,7 @@ def greedy_accept(tree: Tree, target_next: jax.Array, max_depth: int) -> Accepta
   on_path = best_anc[:, None, :] & (tree.depths[:, None, :] == d)                     # [B, D+1, N]
   path = jnp.where(jnp.any(on_path, axis=-1), jnp.argmax(on_path, axis=-1), best[:, None])
   correction = jnp.take_along_axis(target_next, best[:, None], axis=1)[:, 0]
-  return Acceptance(path=path.astype(jnp.int32), depth=depth, correction=correction)
+  return Acceptance(path=path.astype(jnp.int32), accepted=depth, correction=correction)
 
 
 def _walk_one(tokens, parents, valid, logits, draft_logp, key, temperature, top_k, top_p, *, rule, max_depth, width):
@@ -147,7 +147,7 @@ def sample_accept(tree: Tree, target_logits: jax.Array, draft_logp: jax.Array | 
   fixed = sampling.is_fixed(*params)
   path, depth, corr = jax.vmap(walk, in_axes=(0,) * 6 + ((None,) * 3 if fixed else (0,) * 3))(
       tree.tokens, tree.parents, tree.valid, target_logits, draft_logp, round_keys, *params)
-  return Acceptance(path=path, depth=depth, correction=corr)
+  return Acceptance(path=path, accepted=depth, correction=corr)
 
 
 def accepted_tokens(tree: Tree, acc: Acceptance) -> tuple[jax.Array, jax.Array]:
@@ -155,8 +155,8 @@ def accepted_tokens(tree: Tree, acc: Acceptance) -> tuple[jax.Array, jax.Array]:
   path_tokens = jnp.take_along_axis(tree.tokens, acc.path, axis=1)                   # [B, D+1]
   shifted = jnp.concatenate([path_tokens[:, 1:], path_tokens[:, :1]], axis=1)
   j = jnp.arange(shifted.shape[1])[None, :]
-  new = jnp.where(j < acc.depth[:, None], shifted, acc.correction[:, None])
-  return new.astype(jnp.int32), acc.depth + 1
+  new = jnp.where(j < acc.accepted[:, None], shifted, acc.correction[:, None])
+  return new.astype(jnp.int32), acc.accepted + 1
 
 
 def gather_rows(cache_layer: jax.Array, rows: jax.Array) -> jax.Array:

@@ -8,7 +8,7 @@ k = k_norm(concat[k_proj(ctx), k_proj(h)]), v = concat[v_proj(ctx), v_proj(h)], 
 Since ctx does not depend on the layer input, each layer's context K/V is computed once per
 context row and cached across rounds (``append_context``).
 
-Block input: [anchor, mask x (bs-1)] at positions ctx_len .. ctx_len+bs-1. Causal head: slot j
+Block input: [anchor, mask x (bs-1)] at positions prefix_len .. prefix_len+bs-1. Causal head: slot j
 sees all context rows and slots 0..j; bidirectional (DFlash) head: all slots. Slots 1..bs-1 go
 through the target's final norm-free LM head after the head's own final norm: slot d is the
 distribution for depth d.
@@ -181,27 +181,27 @@ class DraftHead(nnx.Module):
       kept.append(k)
     return self.final_norm(x), kept
 
-  def draft_hidden(self, target: qwen3.Qwen3, cache: qwen3.KVCache, ctx_len: jax.Array, anchor: jax.Array,
+  def draft_hidden(self, target: qwen3.Qwen3, cache: qwen3.KVCache, prefix_len: jax.Array, anchor: jax.Array,
                    attn_impl: str = "xla", mesh=None) -> tuple[jax.Array, qwen3.KVCache]:
-    """Final-normed block states [B, bs, H] for block [anchor, mask...] after ctx_len context rows.
+    """Final-normed block states [B, bs, H] for block [anchor, mask...] after prefix_len context rows.
 
-    Also returns the cache with the block's K/V written as scratch at ctx_len.. (masked out of
+    Also returns the cache with the block's K/V written as scratch at prefix_len.. (masked out of
     later rounds and overwritten by the next ``append_context``); carrying it avoids a copy."""
     cfg = self.cfg
     batch, bs = anchor.shape[0], cfg.block_size
     tokens = jnp.concatenate([anchor[:, None], jnp.full((batch, bs - 1), cfg.mask_token_id, jnp.int32)], axis=1)
     x = target.embed_tokens(tokens).astype(self.fc[...].dtype)
-    positions = ctx_len[:, None] + jnp.arange(bs, dtype=jnp.int32)[None, :]
+    positions = prefix_len[:, None] + jnp.arange(bs, dtype=jnp.int32)[None, :]
     mask = block_mask(cfg, batch)
-    attends = [cached_attention((k, v), ctx_len, mask, impl=attn_impl, mesh=mesh) for k, v in zip(cache.k, cache.v)]
+    attends = [cached_attention((k, v), prefix_len, mask, impl=attn_impl, mesh=mesh) for k, v in zip(cache.k, cache.v)]
     h, kept = self.blocks(x, positions, attends)
     return h, qwen3.KVCache(k=tuple(k for k, _ in kept), v=tuple(v for _, v in kept))
 
-  def draft_logits(self, target: qwen3.Qwen3, cache: qwen3.KVCache, ctx_len: jax.Array, anchor: jax.Array,
+  def draft_logits(self, target: qwen3.Qwen3, cache: qwen3.KVCache, prefix_len: jax.Array, anchor: jax.Array,
                    depth: int | None = None, attn_impl: str = "xla", mesh=None) -> tuple[jax.Array, qwen3.KVCache]:
     """Per-depth draft logits [B, depth, V] float32 (depth <= bs-1; slot d -> depth d), and the cache."""
     depth = self.cfg.depth if depth is None else depth
-    h, cache = self.draft_hidden(target, cache, ctx_len, anchor, attn_impl, mesh)
+    h, cache = self.draft_hidden(target, cache, prefix_len, anchor, attn_impl, mesh)
     return target.logits(h[:, 1:depth + 1]), cache
 
 

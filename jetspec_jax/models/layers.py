@@ -56,17 +56,17 @@ def write_rows(cache: jax.Array, rows: jax.Array, start: jax.Array) -> jax.Array
 @flax.struct.dataclass
 class PackedRows:
   """Where packed rows live in attention: the layers see rows [G, K + L * C] per group (G groups, e.g. one per
-  data shard). The first K are the group's chosen decode rows, laid out for attention as [B, W] (B = G *
-  slots_per_group sequences of W rows): packed row (g, k) is row ``node[g, k]`` of sequence g *
+  data shard). The first K are the group's chosen decode rows, laid out for attention as [B, N] (B = G *
+  slots_per_group sequences of N rows): packed row (g, k) is row ``node[g, k]`` of sequence g *
   slots_per_group + ``slot[g, k]`` (slot == slots_per_group: padding, dropped). Then L prefill lanes of C =
   ``lane_rows`` consecutive prompt rows each: lane (g, l) continues sequence ``lane_slot[g, l]`` (slots_per_group:
   an idle lane) at cache row ``lane_start[g, l]``, causally; one sequence may hold several lanes (consecutive
-  chunks of its prompt). Sequence b's W decode rows are written in place at cache rows write_start[b] + w (one
+  chunks of its prompt). Sequence b's N decode rows are written in place at cache rows write_start[b] + n (one
   contiguous write per sequence; rows of unchosen nodes hold zeros), a lane's rows at its own rows; nothing
   else of the cache is touched. Every write precedes every read of the layer's cache (XLA then updates the
   loop's cache buffers in place instead of copying them). ``key_len`` (None: all): attention reads only the
   cache's first key_len rows (the caller guarantees no row sees past them). ``dense``: the decode rows are
-  every sequence's W rows in order (slot = k // W, node = k % W), so the [B, W] layout is a reshape; rows
+  every sequence's N rows in order (slot = k // N, node = k % N), so the [B, N] layout is a reshape; rows
   the caller did not choose then carry values instead of zeros (they must be ignored, as always)."""
   slot: jax.Array                 # [G, K] int32
   node: jax.Array                 # [G, K] int32
@@ -74,23 +74,23 @@ class PackedRows:
   lane_start: jax.Array           # [G, L] int32
   write_start: jax.Array          # [B] int32: cache row of each sequence's decode row 0 (>= its committed rows)
   slots_per_group: int = flax.struct.field(pytree_node=False)
-  span: int = flax.struct.field(pytree_node=False)
+  nodes: int = flax.struct.field(pytree_node=False)
   lane_rows: int = flax.struct.field(pytree_node=False)
   key_len: int | None = flax.struct.field(pytree_node=False, default=None)
   dense: bool = flax.struct.field(pytree_node=False, default=False)
 
   def scatter(self, x: jax.Array) -> jax.Array:
-    """Decode rows [G, K, ...] -> [B, W, ...] (zeros where no packed row lands)."""
+    """Decode rows [G, K, ...] -> [B, N, ...] (zeros where no packed row lands)."""
     if self.dense:
-      return x.reshape((-1, self.span) + x.shape[2:])
+      return x.reshape((-1, self.nodes) + x.shape[2:])
     def one(xg, slot, node):
-      out = jnp.zeros((self.slots_per_group, self.span) + xg.shape[1:], xg.dtype)
+      out = jnp.zeros((self.slots_per_group, self.nodes) + xg.shape[1:], xg.dtype)
       return out.at[slot, node].set(xg, mode="drop")
     y = jax.vmap(one)(x, self.slot, self.node)
     return y.reshape((-1,) + y.shape[2:])
 
   def gather(self, y: jax.Array) -> jax.Array:
-    """[B, W, ...] -> decode rows [G, K, ...] (padding rows read row 0 of the group's last slot)."""
+    """[B, N, ...] -> decode rows [G, K, ...] (padding rows read row 0 of the group's last slot)."""
     if self.dense:
       return y.reshape((self.slot.shape[0], -1) + y.shape[2:])
     y = self.by_group(y)
@@ -150,12 +150,12 @@ class PackedRows:
 
 def _attend_packed(packed: PackedRows, kv, start, block_mask, q, k, v, impl, mesh):
   """``cached_attention`` for packed rows: the decode rows' keys and values written at ``packed.write_start``, the
-  lanes' at their own rows, then the decode rows attend from ``start`` in the [B, W] layout and each lane over
+  lanes' at their own rows, then the decode rows attend from ``start`` in the [B, N] layout and each lane over
   its sequence's cache rows (read, never copied back)."""
   heads_last = lambda x: x.transpose(0, 2, 1, 3)                      # [G, Hkv, K, Dh] <-> [G, K, Hkv, Dh]
   q_d, q_l = packed.split(q)
   groups, k_rows = packed.slot.shape
-  decode_rows = lambda x: heads_last(packed.scatter(heads_last(x)[:, :k_rows]))      # [B, Hkv, W, Dh]
+  decode_rows = lambda x: heads_last(packed.scatter(heads_last(x)[:, :k_rows]))      # [B, Hkv, N, Dh]
   k_cache = write_rows(kv[0], decode_rows(k), packed.write_start)
   v_cache = write_rows(kv[1], decode_rows(v), packed.write_start)
   if packed.num_lanes:
@@ -181,7 +181,7 @@ def cached_attention(kv: tuple[jax.Array, jax.Array] | None, start: jax.Array | 
   written at rows start[b] + t, and they see rows < start[b] plus the new rows ``block_mask`` [B, T, T]
   allows (``jetspec_jax.attention``). It returns the updated (k, v). With ``kv`` None (training, no
   cache) the rows see only each other and nothing is kept. ``packed``: the rows arrive packed
-  (``PackedRows``; block_mask [B, W, W] for the decode rows) and the result is packed again."""
+  (``PackedRows``; block_mask [B, N, N] for the decode rows) and the result is packed again."""
   def attend(q, k, v):
     if kv is None:
       return attention(q, k, v, jnp.zeros((q.shape[0],), jnp.int32), block_mask, impl=impl, mesh=mesh), None
