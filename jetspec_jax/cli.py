@@ -234,11 +234,14 @@ def cmd_serve(args) -> dict:
   from jetspec_jax.decode.engine import Engine, EnginePlan, Request
   from jetspec_jax.driver import Driver
   for flag, value in (("--slots", args.slots), ("--max-prompt", args.max_prompt), ("--max-tokens", args.max_tokens),
-                      ("--segment-rounds", args.segment_rounds), ("--prefill-rows", args.prefill_rows)):
+                      ("--segment-rounds", args.segment_rounds), ("--prefill-rows", args.prefill_rows),
+                      ("--max-waiting", 1 if args.max_waiting is None else args.max_waiting)):
     if value < 1:
       raise JetSpecError(f"{flag} must be at least 1, got {value}")
   if not 0 <= args.port < 65536:
     raise JetSpecError(f"--port must be 0..65535 (0: any free port), got {args.port}")
+  if not args.request_timeout >= 0:
+    raise JetSpecError(f"--request-timeout must be >= 0 seconds (0: no limit), got {args.request_timeout}")
   impl = _attention(args)
   mesh = _mesh(args)
   dtype = _dtype(args.dtype)
@@ -266,10 +269,10 @@ def cmd_serve(args) -> dict:
   engine.step(1)
   engine.progress()
   engine.cancel(ids)
-  driver = Driver(engine, args.segment_rounds)
+  driver = Driver(engine, args.segment_rounds, max_waiting=args.max_waiting or 8 * plan.queue * groups)
   driver.start()
   name = args.model_name or os.path.basename(os.path.normpath(args.target))
-  service = serve.Service(driver, tokenizer, name)
+  service = serve.Service(driver, tokenizer, name, request_timeout=args.request_timeout or None)
   urls = []
 
   def ready(url):
@@ -282,7 +285,7 @@ def cmd_serve(args) -> dict:
                                           "max_tokens": plan.max_new_tokens, "queue": plan.queue * groups},
          "sampling": engine.sampling.describe(), "sampling_sources": sources,
          "per_request_sampling": plan.per_request_sampling, "eos_ids": list(engine.eos), "segments": driver.segments,
-         "cancelled": driver.cancelled, "tree": None if tree is None else tree.describe()}
+         "cancelled": driver.cancelled, "refused": driver.refused, "max_waiting": driver.max_waiting, "tree": None if tree is None else tree.describe()}
   _emit(args, res, f"stopped after {driver.segments} engine segments")
   return res
 
@@ -582,11 +585,17 @@ def build_parser() -> argparse.ArgumentParser:
   sv.add_argument("--key-buckets", type=int, default=1, help="attention key-length buckets (CPU: 4)")
   sv.add_argument("--drain-timeout", type=float, default=30.0,
                   help="on SIGTERM, seconds the requests in flight get to finish")
+  sv.add_argument("--max-waiting", type=int, default=None,
+                  help="requests that may wait for the engine's queue (default: 8 x --queue); more get 429 with "
+                       "Retry-After")
+  sv.add_argument("--request-timeout", type=float, default=0.0,
+                  help="seconds a request may run before it is cancelled with a 504 (0: no limit)")
   sv.add_argument("--fixed-sampling", action="store_true",
                   help="compile only the server's sampling (the flags below): rounds skip the per-request "
                        "full-vocabulary sort; requests asking for other values get 400")
   sv.add_argument("--dtype", default="auto")
   sampling_and_head_flags(sv)
+  sv.set_defaults(tree="best_nodes", budget=16)      # the server's measured best (docs/benchmarks.md)
   attention_flags(sv)
   common(sv)
   sv.set_defaults(fn=cmd_serve)

@@ -2,8 +2,8 @@
 
 The thread loops over segments: cancel what was asked to stop, submit waiting requests (as many as the
 engine's queue has free entries; the rest wait their turn, in arrival order), ``step(segment_rounds)``,
-then publish to every live request its tokens so far (``Engine.progress``, one fetch per segment) and,
-for those that finished, their final tokens. Callers never touch the engine: ``submit`` and ``cancel``
+then publish to every live request its new tokens (``Engine.progress`` since what it has: one fetch per
+segment, host work in the new tokens) and, for those that finished, the rest of their tokens. Callers never touch the engine: ``submit`` and ``cancel``
 only append to locked lists and wake the thread, and a ``Ticket``'s ``publish`` callback must return at
 once (a server hands the update to its event loop), so neither side waits on the other.
 """
@@ -15,10 +15,15 @@ import time
 from typing import Callable
 
 from jetspec_jax.decode.engine import Engine, Request
+from jetspec_jax.errors import JetSpecError
 
-# publish(tokens so far, done, error): done with error None is a normal finish (tokens final); an error
-# (one sentence) ends the request without its tokens.
+# publish(new tokens, done, error): the tokens since the last publish (a delta); done with error None is a normal
+# finish (the delta completes the tokens); an error (one sentence) ends the request without more tokens.
 Publish = Callable[[list[int], bool, "str | None"], None]
+
+
+class Overloaded(JetSpecError):
+  """The driver's waiting list is at its bound (``max_waiting``): the request was not taken."""
 
 
 @dataclasses.dataclass(eq=False)
@@ -31,10 +36,11 @@ class Ticket:
 
 
 class Driver:
-  """Runs ``engine`` in its own thread (``start``), ``segment_rounds`` rounds per segment."""
+  """Runs ``engine`` in its own thread (``start``), ``segment_rounds`` rounds per segment. ``max_waiting``: the
+  most requests that may wait for a queue entry (None: unbounded); ``submit`` refuses more (``Overloaded``)."""
 
-  def __init__(self, engine: Engine, segment_rounds: int = 8):
-    self.engine, self.segment_rounds = engine, segment_rounds
+  def __init__(self, engine: Engine, segment_rounds: int = 8, max_waiting: int | None = None):
+    self.engine, self.segment_rounds, self.max_waiting = engine, segment_rounds, max_waiting
     self._wake = threading.Condition()
     self._arrived: list[Ticket] = []
     self._cancelled: list[Ticket] = []
@@ -44,6 +50,10 @@ class Driver:
     self.error: str | None = None                      # set when the device loop failed; nothing more runs
     self.segments = 0                                  # steps run
     self.cancelled = 0                                 # requests stopped before they finished
+    self.refused = 0                                   # requests refused at the bound (``Overloaded``)
+    self.rejected = 0                                  # requests the engine could not run (told, one sentence)
+    self.decode_rounds = 0                             # finished requests' decode rounds and tokens after the first
+    self.decoded_tokens = 0
     self._thread = threading.Thread(target=self._run, name="jetspec-engine", daemon=True)
 
   def start(self) -> None:
@@ -51,11 +61,17 @@ class Driver:
     self._thread.start()
 
   def submit(self, ticket: Ticket) -> Ticket:
-    """Queue ``ticket`` (thread-safe; returns at once)."""
+    """Queue ``ticket`` (thread-safe; returns at once). Raises ``Overloaded`` when ``max_waiting`` requests
+    already wait."""
     with self._wake:
       if self.error is not None:
         ticket.publish([], True, self.error)
         return ticket
+      waiting = self.waiting()
+      if self.max_waiting is not None and waiting >= self.max_waiting:
+        self.refused += 1
+        raise Overloaded(f"{waiting} requests are waiting for this server, its limit (serve --max-waiting); "
+                         f"retry shortly")
       self._arrived.append(ticket)
       self._wake.notify()
     return ticket
@@ -66,6 +82,18 @@ class Driver:
       ticket.done = True
       self._cancelled.append(ticket)
       self._wake.notify()
+
+  def waiting(self) -> int:
+    """Requests submitted and not yet in the engine."""
+    return len(self._arrived) + len(self._waiting)
+
+  def running(self) -> int:
+    """Requests in the engine (queued on device or holding a slot)."""
+    return len(self._live)
+
+  def tau(self) -> float:
+    """Committed tokens per decode round over the finished requests (``engine.acceptance``'s tau)."""
+    return self.decoded_tokens / max(self.decode_rounds, 1)
 
   def outstanding(self) -> int:
     """Requests submitted and not yet finished or cancelled."""
@@ -128,18 +156,32 @@ class Driver:
     free = engine.plan.queue * engine.plan.groups - len(self._live)
     if free > 0 and self._waiting:
       batch, self._waiting = self._waiting[:free], self._waiting[free:]
-      self._live.update(zip(engine.submit([t.request for t in batch]), batch))
+      good = []
+      for t in batch:                          # one request the engine cannot run is told; the others go on
+        try:
+          engine.check([t.request])
+        except JetSpecError as e:
+          self.rejected += 1
+          t.done = True
+          t.publish([], True, str(e).removeprefix("request 0: "))
+          continue
+        good.append(t)
+      if good:
+        self._live.update(zip(engine.submit([t.request for t in good]), good))
     if not self._live:
       return
     finished = engine.step(self.segment_rounds)
     self.segments += 1
     for r in finished:
+      self.decode_rounds += r.steps
+      self.decoded_tokens += max(len(r.tokens) - 1, 0)
       t = self._live.pop(r.id)
       if not t.done:
         t.done = True
-        t.publish(r.tokens, True, None)
-    for rid, tokens in engine.progress().items():
+        t.publish(r.tokens[t.published:], True, None)
+        t.published = len(r.tokens)
+    for rid, new in engine.progress({rid: t.published for rid, t in self._live.items()}).items():
       t = self._live[rid]
-      if len(tokens) > t.published and not t.done:
-        t.published = len(tokens)
-        t.publish(tokens, False, None)
+      if new and not t.done:
+        t.published += len(new)
+        t.publish(new, False, None)

@@ -2,7 +2,10 @@
 
 Endpoints: ``POST /v1/completions`` and ``POST /v1/chat/completions`` (the tokenizer's chat template,
 thinking off, as ``generate --chat``), each streamed as server-sent events (``data: {...}`` chunks, then
-``data: [DONE]``) or not; ``GET /v1/models``; ``GET /health``.
+``data: [DONE]``) or not; ``GET /v1/models``; ``GET /health``; ``GET /metrics`` (Prometheus text format).
+
+Overload: at most ``serve --max-waiting`` requests wait for the engine's queue; beyond it a request gets 429 with
+``Retry-After``; while draining, 503; a request running past ``--request-timeout`` is cancelled with a 504.
 
 Threads: uvicorn's event loop runs the handlers; one ``driver.Driver`` thread owns the engine and runs
 it segment by segment. A handler parses and checks its request, hands a ``Ticket`` to the driver and
@@ -30,11 +33,12 @@ from typing import AsyncIterator, Callable
 
 import uvicorn
 from fastapi import FastAPI, Request as HttpRequest
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
 
 from jetspec_jax.decode.engine import Request, check_requests
-from jetspec_jax.driver import Driver, Ticket
+from jetspec_jax.driver import Driver, Overloaded, Ticket
 from jetspec_jax.errors import JetSpecError
 from jetspec_jax.tokenizer import chat_prompt_ids
 
@@ -42,16 +46,17 @@ MAX_STOP = 4                   # stop strings per request, as OpenAI allows
 DISCONNECT_POLL_S = 0.5        # a non-streaming handler checks this often whether its client left
 # Fields this server does not implement, with the values that ask for nothing (accepted).
 UNSUPPORTED = {"logprobs": (None, False), "top_logprobs": (None, 0), "best_of": (None, 1), "echo": (None, False),
-               "suffix": (None, ""), "tools": (None, []), "logit_bias": (None, {})}
+               "suffix": (None, ""), "tools": (None, []), "logit_bias": (None, {}),
+               "frequency_penalty": (None, 0, 0.0), "presence_penalty": (None, 0, 0.0)}
 
 
 class ApiError(JetSpecError):
   """A request the server refuses: HTTP ``status`` and an OpenAI-style error body."""
 
   def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
-               code: str | None = None):
+               code: str | None = None, headers: dict[str, str] | None = None):
     super().__init__(message)
-    self.status, self.type, self.param, self.code = status, type, param, code
+    self.status, self.type, self.param, self.code, self.headers = status, type, param, code, headers
 
   def body(self) -> dict:
     return {"error": {"message": str(self), "type": self.type, "param": self.param, "code": self.code}}
@@ -60,23 +65,32 @@ class ApiError(JetSpecError):
 class TextStream:
   """Tokens -> text, incrementally: ``feed`` returns the text that is safe to send (no partial UTF-8
   character, nothing that may begin a stop string); after the first stop string the text ends before it,
-  ``stopped`` is set and ``used`` counts the tokens that produced it. ``flush`` returns the rest."""
+  ``stopped`` is set and ``used`` counts the tokens that produced it. ``flush`` returns the rest.
+
+  Constant work per token whatever the completion's length: a step decodes only the tokens since the last
+  complete piece of text plus that piece's tokens (``_prefix`` .. end: the context a tokenizer needs to place
+  spaces), and stop strings are searched in ``pending`` only: the text not sent yet, which is the new piece
+  plus what was held back (less than a stop string). A stop string never begins in sent text: a suffix that
+  may begin one is held back."""
 
   def __init__(self, tokenizer, stop: list[str]):
     self.tokenizer, self.stop = tokenizer, stop
     self.tokens: list[int] = []
-    self.text = ""
-    self.sent = 0
+    self.pending = ""
     self.stopped = False
     self.used = 0
+    self._prefix = 0           # tokens[_prefix:_read]: the last piece of decoded text (context for the next)
+    self._read = 0             # tokens before _read are decoded
 
   def feed(self, tokens: list[int]) -> str:
-    for i, t in enumerate(tokens):             # one decode per token only when a stop string is to be found
+    if not self.stop:          # no stop string to place: one decode for the whole update
+      self.tokens.extend(tokens)
+      self._decode()
+    for t in tokens if self.stop else ():
       if self.stopped:
         break
       self.tokens.append(t)
-      if self.stop or i == len(tokens) - 1:
-        self._decode()
+      self._decode()
     return self._take(self._held())
 
   def flush(self) -> str:
@@ -86,25 +100,28 @@ class TextStream:
     return self._take(0)
 
   def _decode(self, final: bool = False) -> None:
-    text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
-    if text.endswith("\ufffd") and not final:   # a character split over tokens: wait for the rest
+    decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)
+    before = decode(self.tokens[self._prefix:self._read])
+    after = decode(self.tokens[self._prefix:])
+    if after.endswith("\ufffd") and not final:   # a character split over tokens: wait for the rest
       return
-    cut = min((i for i in (text.find(s, max(self.sent - len(s), 0)) for s in self.stop) if i >= 0), default=-1)
+    self.pending += after[len(before):]
+    self._prefix, self._read = self._read, len(self.tokens)
+    cut = min((i for i in (self.pending.find(s) for s in self.stop) if i >= 0), default=-1)
     if cut >= 0:
-      text, self.stopped, self.used = text[:cut], True, len(self.tokens)
-    self.text = text
+      self.pending, self.stopped, self.used = self.pending[:cut], True, len(self.tokens)
 
   def _held(self) -> int:
     """Characters at the end that may begin a stop string (kept back until the next tokens decide)."""
     if self.stopped:
       return 0
-    tail = self.text[self.sent:]
+    tail = self.pending
     return max((k for s in self.stop for k in range(min(len(s) - 1, len(tail)), 0, -1) if tail.endswith(s[:k])),
                default=0)
 
   def _take(self, held: int) -> str:
-    end = len(self.text) - held
-    out, self.sent = self.text[self.sent:end], max(self.sent, end)
+    end = len(self.pending) - held
+    out, self.pending = self.pending[:end], self.pending[end:]
     return out
 
 
@@ -130,13 +147,17 @@ class Event:
 
 class Service:
   """What the endpoints serve: the driver (started), tokenizer, model name, the engine's sampling and
-  EOS ids. ``draining``: set on SIGTERM, new requests get 503."""
+  EOS ids. ``draining``: set on SIGTERM, new requests get 503. ``request_timeout`` (seconds, None: none): a request
+  running longer is cancelled with a 504; a request refused at the driver's bound gets 429 with ``retry_after``."""
 
-  def __init__(self, driver: Driver, tokenizer, model_name: str, *, completion_default_tokens: int = 16):
+  def __init__(self, driver: Driver, tokenizer, model_name: str, *, completion_default_tokens: int = 16,
+               request_timeout: float | None = None, retry_after: int = 1):
     engine = driver.engine
     self.driver, self.tokenizer, self.model_name = driver, tokenizer, model_name
     self.cfg, self.plan, self.sampling, self.eos = engine.cfg, engine.plan, engine.sampling, set(engine.eos)
     self.completion_default_tokens = completion_default_tokens
+    self.request_timeout, self.retry_after = request_timeout, retry_after
+    self.metrics = Metrics(driver, engine.plan.slots)
     self.draining = False
     self.created = int(time.time())
 
@@ -269,16 +290,16 @@ class Service:
   # ----- running -----------------------------------------------------------------------------------
 
   def check_open(self) -> None:
+    if self.draining or self.driver.error is not None:
+      self.metrics.requests.labels("unavailable").inc()
     if self.draining:
       raise ApiError(503, "the server is shutting down and takes no new requests; send it to another server",
                      type="service_unavailable", code="shutting_down")
     if self.driver.error is not None:
       raise ApiError(503, self.driver.error, type="server_error", code="engine_failed")
 
-  async def events(self, job: Job, disconnected: Callable[[], "asyncio.Future[bool]"] | None = None
-                   ) -> AsyncIterator[Event]:
-    """Runs ``job`` in the engine and yields its text as it comes; the last event has the finish reason.
-    Leaving early (or a disconnect, polled with ``disconnected`` while waiting) cancels the request."""
+  def begin(self, job: Job) -> "Run":
+    """Hand ``job`` to the driver (before any response is sent, so a refusal is a plain 429)."""
     import jax
     loop = asyncio.get_running_loop()
     updates: asyncio.Queue = asyncio.Queue()
@@ -290,40 +311,108 @@ class Service:
         pass
 
     key = None if job.seed is None else jax.random.key(job.seed)
-    ticket = self.driver.submit(Ticket(Request(job.prompt, job.max_tokens, key, **job.sampling), publish))
-    text = TextStream(self.tokenizer, job.stop)
+    try:
+      ticket = self.driver.submit(Ticket(Request(job.prompt, job.max_tokens, key, **job.sampling), publish))
+    except Overloaded as e:
+      self.metrics.requests.labels("refused").inc()
+      raise ApiError(429, str(e), type="rate_limit_error", code="overloaded",
+                     headers={"Retry-After": str(self.retry_after)}) from None
+    return Run(job=job, ticket=ticket, updates=updates, started=time.monotonic())
+
+  def end(self, run: "Run") -> None:
+    """Cancel ``run``'s request unless it finished (its client left, or it ran out of time)."""
+    if not run.ticket.done:
+      self.driver.cancel(run.ticket)
+
+  async def events(self, run: "Run", disconnected: Callable[[], "asyncio.Future[bool]"] | None = None
+                   ) -> AsyncIterator[Event]:
+    """``run``'s text as it comes; the last event has the finish reason. Leaving early (or a disconnect, polled
+    with ``disconnected`` while waiting) cancels the request, as does running past ``request_timeout`` (504)."""
+    text = TextStream(self.tokenizer, run.job.stop)
     checked = time.monotonic()
+    deadline = None if self.request_timeout is None else run.started + self.request_timeout
+    count, first_at, outcome = 0, None, "cancelled"
     try:
       while True:
-        if disconnected is None:
-          tokens, done, error = await updates.get()
-        else:
-          try:
-            tokens, done, error = await asyncio.wait_for(updates.get(), DISCONNECT_POLL_S)
-          except asyncio.TimeoutError:
-            tokens = None
-          if time.monotonic() - checked >= DISCONNECT_POLL_S:
-            checked = time.monotonic()
-            if await disconnected():
-              return
-          if tokens is None:
-            continue
+        wait = None if disconnected is None else DISCONNECT_POLL_S
+        if deadline is not None:
+          wait = max(min(wait or math.inf, deadline - time.monotonic()), 0.0)
+        try:
+          update = await (run.updates.get() if wait is None else asyncio.wait_for(run.updates.get(), wait))
+        except asyncio.TimeoutError:
+          update = None
+        if update is None and deadline is not None and time.monotonic() >= deadline:
+          outcome = "timeout"
+          raise ApiError(504, f"the request ran longer than this server's limit of {self.request_timeout:g}s "
+                              f"(serve --request-timeout); ask for fewer tokens", type="timeout_error", code="timeout")
+        if disconnected is not None and time.monotonic() - checked >= DISCONNECT_POLL_S:
+          checked = time.monotonic()
+          if await disconnected():
+            return
+        if update is None:
+          continue
+        tokens, done, error = update
         if error is not None:
+          outcome = "failed"
           raise ApiError(503, error, type="server_error", code="request_ended")
+        if tokens and first_at is None:
+          first_at = time.monotonic()
+          self.metrics.ttft.observe(first_at - run.started)
+        count += len(tokens)
+        self.metrics.tokens.inc(len(tokens))
         eos = done and bool(tokens) and tokens[-1] in self.eos
-        new = tokens[len(text.tokens):len(tokens) - eos]
-        delta = text.feed(new)
+        delta = text.feed(tokens[:len(tokens) - eos])
+        if text.stopped or done:
+          outcome = "completed"
+          if count > 1:
+            self.metrics.tpot.observe((time.monotonic() - first_at) / (count - 1))
         if text.stopped:
           yield Event(delta, "stop", text.used)
           return
         if done:
-          yield Event(delta + text.flush(), "stop" if eos else "length", len(tokens))
+          yield Event(delta + text.flush(), "stop" if eos else "length", count)
           return
         if delta:
           yield Event(delta)
     finally:
-      if not ticket.done:
-        self.driver.cancel(ticket)
+      self.metrics.requests.labels(outcome).inc()
+      self.end(run)
+
+
+@dataclasses.dataclass
+class Run:
+  """A job handed to the driver: its ticket, the queue its updates arrive on and when it was submitted."""
+  job: Job
+  ticket: Ticket
+  updates: asyncio.Queue
+  started: float
+
+
+class Metrics:
+  """The server's Prometheus metrics (``GET /metrics``), in a registry of its own: requests by outcome
+  (completed, cancelled, failed, timeout, refused, unavailable, invalid), running and waiting requests, generated
+  tokens, time to first token and per output token, slot occupancy and tau of the finished requests."""
+
+  def __init__(self, driver: Driver, slots: int):
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+    self.registry = r = CollectorRegistry()
+    self.requests = Counter("jetspec_requests", "Requests by outcome", ["outcome"], registry=r)
+    self.tokens = Counter("jetspec_generated_tokens", "Tokens generated (streamed to clients)", registry=r)
+    latency = (.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60, 120)
+    self.ttft = Histogram("jetspec_time_to_first_token_seconds", "Submit to first token", buckets=latency, registry=r)
+    self.tpot = Histogram("jetspec_time_per_output_token_seconds", "Mean time per token after the first",
+                          buckets=(.0005, .001, .0025, .005, .01, .025, .05, .1, .25, .5, 1), registry=r)
+    Gauge("jetspec_requests_running", "Requests in the engine (queued on device or decoding)",
+          registry=r).set_function(driver.running)
+    Gauge("jetspec_requests_waiting", "Requests waiting for the engine's queue", registry=r).set_function(driver.waiting)
+    Gauge("jetspec_slot_occupancy", "Requests in the engine over its slots (at most 1)",
+          registry=r).set_function(lambda: min(driver.running() / slots, 1.0))
+    Gauge("jetspec_tau", "Committed tokens per decode round over the finished requests",
+          registry=r).set_function(driver.tau)
+
+  def text(self) -> bytes:
+    from prometheus_client import generate_latest
+    return generate_latest(self.registry)
 
 
 def _usage(prompt: int, completion: int) -> dict:
@@ -336,7 +425,7 @@ def create_app(service: Service):
 
   @app.exception_handler(ApiError)
   async def api_error(_, e: ApiError):
-    return JSONResponse(e.body(), status_code=e.status)
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
   @app.exception_handler(HTTPException)
   async def http_error(_, e: HTTPException):
@@ -355,16 +444,21 @@ def create_app(service: Service):
 
   async def answer(request: HttpRequest, chat: bool):
     service.check_open()
-    body = await body_of(request)
-    service.check_model(body)
-    prompt = service.chat_prompt(body) if chat else service.completion_prompt(body)
-    job = service.job(body, prompt, chat=chat)
+    try:
+      body = await body_of(request)
+      service.check_model(body)
+      prompt = service.chat_prompt(body) if chat else service.completion_prompt(body)
+      job = service.job(body, prompt, chat=chat)
+    except ApiError:
+      service.metrics.requests.labels("invalid").inc()
+      raise
+    run = service.begin(job)
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     head = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
             "model": service.model_name}
     if not job.stream:
       parts, last = [], None
-      async for ev in service.events(job, request.is_disconnected):
+      async for ev in service.events(run, request.is_disconnected):
         parts.append(ev.text)
         last = ev
       if last is None:                         # the client left
@@ -389,7 +483,7 @@ def create_app(service: Service):
       if chat:
         yield chunk(None, None, first=True)
       try:
-        async for ev in service.events(job):
+        async for ev in service.events(run):
           if ev.text:
             yield chunk(ev.text, None)
           if ev.finish_reason is not None:
@@ -401,7 +495,9 @@ def create_app(service: Service):
         yield f"data: {json.dumps(e.body())}\n\n"
       yield "data: [DONE]\n\n"
 
-    return StreamingResponse(stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    # The background task cancels the request if the stream never ran (a client that left before it began).
+    return StreamingResponse(stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"},
+                             background=BackgroundTask(service.end, run))
 
   @app.post("/v1/completions")
   async def completions(request: HttpRequest):
@@ -417,6 +513,11 @@ def create_app(service: Service):
     return {"object": "list", "data": [{"id": service.model_name, "object": "model", "created": service.created,
                                         "owned_by": "jetspec-jax", "max_prompt_tokens": p.max_prompt,
                                         "max_tokens": p.max_new_tokens}]}
+
+  @app.get("/metrics")
+  async def metrics():
+    from prometheus_client import CONTENT_TYPE_LATEST
+    return Response(service.metrics.text(), media_type=CONTENT_TYPE_LATEST)
 
   @app.get("/health")
   async def health():

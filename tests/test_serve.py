@@ -304,6 +304,7 @@ BAD_INPUTS = [
     ("stop not a string", "/v1/completions", {**GOOD, "stop": 5}, 400, "stop"),
     ("seed not an integer", "/v1/completions", {**GOOD, "seed": "x"}, 400, "seed"),
     ("logprobs asked for", "/v1/completions", {**GOOD, "logprobs": 2}, 400, "logprobs"),
+    ("frequency_penalty asked for", "/v1/completions", {**GOOD, "frequency_penalty": 0.5}, 400, "frequency_penalty"),
     ("unknown path", "/v1/embeddings", GOOD, 404, None),
 ]
 
@@ -331,6 +332,53 @@ def test_bad_input_gets_a_4xx_with_an_openai_error_body(server):
       f.write(text)
   with open(doc) as f:
     assert f.read() == text, "docs/serving_bad_input.md is out of date: rerun this test with JETSPEC_WRITE_DOCS=1"
+
+
+def test_overload_is_refused_with_429_and_retry_after(model_dir):
+  """A driver at its waiting bound: the request gets 429 with Retry-After, before anything streams, and the
+  refusal is counted in /metrics."""
+  from fastapi.testclient import TestClient
+  engine = speculative_engine(model_dir)
+  service = serve.Service(Driver(engine, max_waiting=0), load_tokenizer(model_dir[0]), MODEL, retry_after=3)
+  with TestClient(serve.create_app(service)) as http:
+    for stream in (False, True):
+      r = http.post("/v1/completions", json={**GOOD, "stream": stream})
+      assert r.status_code == 429 and r.headers["retry-after"] == "3", r.text
+      assert r.json()["error"]["code"] == "overloaded" and "serve --max-waiting" in r.json()["error"]["message"]
+    metrics = http.get("/metrics").text
+  assert 'jetspec_requests_total{outcome="refused"} 2.0' in metrics and service.driver.refused == 2
+
+
+def test_a_request_past_the_timeout_gets_504_and_frees_its_slot(server):
+  """A service with a 1 ms request timeout on the running server's driver: 504, and the request is cancelled."""
+  from fastapi.testclient import TestClient
+  _, service, _ = server
+  quick = serve.Service(service.driver, service.tokenizer, MODEL, request_timeout=1e-3)
+  with TestClient(serve.create_app(quick)) as http:
+    r = http.post("/v1/completions", json={**GOOD, "max_tokens": 50})
+    assert r.status_code == 504 and r.json()["error"]["code"] == "timeout", r.text
+  deadline = time.monotonic() + 30
+  while service.driver.outstanding() and time.monotonic() < deadline:
+    time.sleep(0.05)
+  assert service.driver.outstanding() == 0
+  assert 'jetspec_requests_total{outcome="timeout"} 1.0' in quick.metrics.text().decode()
+
+
+def test_metrics_in_prometheus_text_format(server):
+  """GET /metrics after the requests above: outcomes, tokens, TTFT / TPOT histograms, occupancy, tau."""
+  from prometheus_client.parser import text_string_to_metric_families
+  url, service, _ = server
+  client(url).completions.create(model=MODEL, prompt="the cat", max_tokens=5)
+  families = {f.name: f for f in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=30).text)}
+  value = lambda family, sample, **labels: next(s.value for s in families[family].samples
+                                                if s.name == sample and all(s.labels.get(k) == v for k, v in labels.items()))
+  assert value("jetspec_requests", "jetspec_requests_total", outcome="completed") >= 1
+  assert value("jetspec_generated_tokens", "jetspec_generated_tokens_total") >= 5
+  assert value("jetspec_time_to_first_token_seconds", "jetspec_time_to_first_token_seconds_count") >= 1
+  assert value("jetspec_time_per_output_token_seconds", "jetspec_time_per_output_token_seconds_count") >= 1
+  assert value("jetspec_requests_running", "jetspec_requests_running") == 0
+  assert 0 <= value("jetspec_slot_occupancy", "jetspec_slot_occupancy") <= 1
+  assert value("jetspec_tau", "jetspec_tau") >= 1.0          # committed tokens per decode round: at least the root's
 
 
 def test_drain_ends_what_does_not_finish_in_time(server):

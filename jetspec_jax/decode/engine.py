@@ -63,6 +63,9 @@ from jetspec_jax.models.layers import PackedRows
 from jetspec_jax.sharding import per_data_shard, whole_vocab
 
 EMPTY, QUEUED, RUNNING, FINISHED = 0, 1, 2, 3     # queue entry status
+# Request ids are Python ints; on device a request's sequence number (admission order, and its default key's
+# fold_in) is its id modulo 2**31 (int32): past 2**31 requests one engine admits the wrapped ids first once.
+SEQ_WRAP = 1 << 31
 TRANSFER_GUARDS = ("allow", "log", "disallow", "log_explicit", "disallow_explicit")
 
 
@@ -294,7 +297,7 @@ def enqueue(state: EngineState, group: jax.Array, entry: jax.Array, seq: jax.Arr
   q = state.queue
   derived = jax.vmap(lambda i: jax.random.key_data(jax.random.fold_in(jax.random.key(seed), i)))(seq)
   key = jnp.where(own_key[:, None], key, derived)
-  at = lambda a, v: a.at[group, entry].set(v)
+  at = lambda a, v: a.at[group, entry].set(v, mode="drop")           # entry Q: padding
   queue = q.replace(prompt=at(q.prompt, prompt), prompt_len=at(q.prompt_len, prompt_len),
                     max_new=at(q.max_new, max_new), key=at(q.key, key), temperature=at(q.temperature, temperature),
                     top_k=at(q.top_k, top_k), top_p=at(q.top_p, top_p), status=at(q.status, QUEUED),
@@ -309,9 +312,9 @@ def drop(state: EngineState, group: jax.Array, entry: jax.Array) -> EngineState:
   per = state.entry.shape[0] // state.queue.status.shape[0]
   slot_group = jnp.arange(state.entry.shape[0]) // per
   held = jnp.any((state.entry[:, None] == entry[None, :]) & (slot_group[:, None] == group[None, :]), axis=1)
-  return state.replace(queue=state.queue.replace(status=state.queue.status.at[group, entry].set(EMPTY)),
-                       entry=jnp.where(held, -1, state.entry), prefix_len=jnp.where(held, 0, state.prefix_len),
-                       done=state.done & ~held)
+  status = state.queue.status.at[group, entry].set(EMPTY, mode="drop")       # entry Q: padding
+  return state.replace(queue=state.queue.replace(status=status), entry=jnp.where(held, -1, state.entry),
+                       prefix_len=jnp.where(held, 0, state.prefix_len), done=state.done & ~held)
 
 
 def _admit(s: EngineState, plan: EnginePlan, mesh=None) -> EngineState:
@@ -884,13 +887,7 @@ class Engine:
     one sentence and before queueing any, a request that does not fit a slot or a full queue."""
     if self.state is None:
       self.start()
-    check_requests(requests, self.cfg, self.plan)
-    for i, r in enumerate(requests):
-      if not self.plan.per_request_sampling and self.request_sampling(r) != self.request_sampling(Request([], 1)):
-        raise JetSpecError(f"request {i} asks for its own sampling (temperature, top_k, top_p) but this engine "
-                           f"compiles one setting (temperature {self.sampling.temperature:g}, top_k {self.sampling.top_k}, "
-                           f"top_p {self.sampling.top_p:g}); build it with "
-                           f"per_request_sampling=True in its plan")
+    self.check(requests)
     groups, entries, ids = [], [], []
     taken = [set(e) for e in self._entries]
     for i, _ in enumerate(requests):
@@ -903,24 +900,40 @@ class Engine:
       groups.append(g)
       entries.append(e)
       ids.append(self._next_id + i)
-    prompt = np.zeros((len(requests), self.plan.max_prompt), np.int32)
+    seqs = [i % SEQ_WRAP for i in ids]
+    # Every array padded to the queue's capacity (pad rows at entry Q: dropped), so one enqueue program serves
+    # any number of requests.
+    cap, n = self.plan.queue * self.plan.groups, len(requests)
+    prompt = np.zeros((cap, self.plan.max_prompt), np.int32)
+    own = np.zeros((cap,), bool)
+    keys = np.zeros((cap,) + key_shape(), np.uint32)
+    settings = np.zeros((cap, 3), np.float64)
+    settings[:, 2] = 1.0
     for i, r in enumerate(requests):
       prompt[i, :len(r.prompt)] = r.prompt
-    own = np.asarray([r.key is not None for r in requests])
-    keys = np.zeros((len(requests),) + key_shape(), np.uint32)
-    for i, r in enumerate(requests):
+      settings[i] = self.request_sampling(r)
       if r.key is not None:
-        keys[i] = np.asarray(jax.random.key_data(r.key))
-    settings = np.asarray([self.request_sampling(r) for r in requests], np.float64)       # [R, 3]
-    i32 = lambda x: np.asarray(x, np.int32)
-    self.state = enqueue(self.state, i32(groups), i32(entries), i32(ids), prompt,
-                         i32([len(r.prompt) for r in requests]), i32([r.max_new_tokens for r in requests]),
+        own[i], keys[i] = True, np.asarray(jax.random.key_data(r.key))
+    pad = lambda values, fill: np.asarray(list(values) + [fill] * (cap - n), np.int32)
+    self.state = enqueue(self.state, pad(groups, 0), pad(entries, self.plan.queue), pad(seqs, 0), prompt,
+                         pad([len(r.prompt) for r in requests], 0), pad([r.max_new_tokens for r in requests], 0),
                          np.uint32(self.sampling.seed), keys, own, settings[:, 0].astype(np.float32),
                          settings[:, 1].astype(np.int32), settings[:, 2].astype(np.float32))
     for g, e, rid in zip(groups, entries, ids):
       self._entries[g][e] = rid
     self._next_id += len(requests)
     return ids
+
+  def check(self, requests: Sequence[Request]) -> None:
+    """Refuse, in one sentence naming the request, one this engine cannot run (``check_requests`` with its plan,
+    or its own sampling where the engine compiles one setting)."""
+    check_requests(requests, self.cfg, self.plan)
+    for i, r in enumerate(requests):
+      if not self.plan.per_request_sampling and self.request_sampling(r) != self.request_sampling(Request([], 1)):
+        raise JetSpecError(f"request {i} asks for its own sampling (temperature, top_k, top_p) but this engine "
+                           f"compiles one setting (temperature {self.sampling.temperature:g}, top_k {self.sampling.top_k}, "
+                           f"top_p {self.sampling.top_p:g}); build it with "
+                           f"per_request_sampling=True in its plan")
 
   def request_sampling(self, r: Request) -> tuple[float, int, float]:
     """(temperature, top_k, top_p) a request runs with: its own where set, else the engine's (greedy: 0, 0, 1)."""
@@ -978,15 +991,21 @@ class Engine:
                                admitted=int(admitted[i]), first=int(first[i]), finished=int(finished[i])))
     return out
 
-  def progress(self) -> dict[int, list[int]]:
+  def progress(self, since: dict[int, int] | None = None) -> dict[int, list[int]]:
     """The tokens so far of every request that holds a slot (one fetch of the slots' token buffers): a
-    prefix of its final tokens ([] while its prompt is being prefilled)."""
+    prefix of its final tokens ([] while its prompt is being prefilled). ``since`` {id: n}: only the tokens after
+    a request's first n (host work per call in the new tokens, not the completion's length)."""
     if self.state is None:
       return {}
+    since = since or {}
     entry, tokens, num = host_values((self.state.entry, self.state.tokens, self.state.num_tokens))
     per = self.plan.slots // self.plan.groups
-    return {self._entries[b // per][int(e)]: tokens[b, :num[b]].tolist() for b, e in enumerate(entry)
-            if e >= 0 and int(e) in self._entries[b // per]}
+    out = {}
+    for b, e in enumerate(entry):
+      rid = self._entries[b // per].get(int(e)) if e >= 0 else None
+      if rid is not None:
+        out[rid] = tokens[b, min(since.get(rid, 0), int(num[b])):num[b]].tolist()
+    return out
 
   def cancel(self, ids: Sequence[int]) -> list[int]:
     """Stop the queued or running requests ``ids`` and free their slots and queue entries; they never
@@ -996,8 +1015,9 @@ class Engine:
     hits = [(g, e, rid) for g, entries in enumerate(self._entries) for e, rid in entries.items() if rid in wanted]
     if not hits:
       return []
-    self.state = drop(self.state, jnp.asarray([g for g, _, _ in hits], jnp.int32),
-                      jnp.asarray([e for _, e, _ in hits], jnp.int32))
+    cap = self.plan.queue * self.plan.groups                  # padded: one program for any number (entry Q: none)
+    pad = lambda values, fill: np.asarray(values + [fill] * (cap - len(values)), np.int32)
+    self.state = drop(self.state, pad([g for g, _, _ in hits], 0), pad([e for _, e, _ in hits], self.plan.queue))
     for g, e, _ in hits:
       del self._entries[g][e]
     return [rid for _, _, rid in hits]
