@@ -17,6 +17,7 @@ time, alternately, so that the machine's noise (frequency, neighbours) falls on 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -29,13 +30,12 @@ MODES = ("ar", "chain", "best")
 
 def worker(workdir: str, parts: list[str]) -> None:
   """Build every unit this checkout has, print their names (one JSON line), then run units named on stdin."""
-  import jax
   import jax.numpy as jnp
   import numpy as np
 
   from jetspec_jax import convert, load
   from jetspec_jax.attention import cache_rows
-  from jetspec_jax.decode.engine import Engine, EnginePlan, Request
+  from jetspec_jax.decode.engine import Engine, Request
   from jetspec_jax.decode.speculative import TreeConfig
   from jetspec_jax.tokenizer import load_tokenizer
   try:
@@ -76,28 +76,16 @@ def worker(workdir: str, parts: list[str]) -> None:
     for name in ("ar", "best"):
       tree = trees[name]
       if Generator is None:
-        plan = EnginePlan(slots=16, rows=16 * (1 if tree is None else tree.num_nodes()), lanes=1, prefill_rows=32,
-                          max_prompt=max(len(r.prompt) for r in requests), max_new_tokens=320, queue=16, tree=tree)
-        eng = Engine(cfg, params, plan, eos_ids=(), **head_kw(tree))
-
-        def unit(eng=eng):
-          eng.start()
-          eng.submit(requests)
-          while len([t for t in eng.progress().values() if t]) < len(requests):
-            eng.step(1)
-          start = int(eng.state.round)
-          t0 = time.perf_counter()
-          eng.step(100)
-          jax.block_until_ready(eng.state)
-          return time.perf_counter() - t0, int(eng.state.round) - start
+        from round_cost import engine_ms_per_round          # this checkout's bench/ (the script's directory)
+        unit = functools.partial(engine_ms_per_round, cfg, params, (head_cfg, head_params), requests, tree, 100, 0)
         unit()
-        units[f"round_{name}_engine"] = unit
+        units[f"round_{name}_engine"] = lambda unit=unit: unit()["ms_per_round"]
       else:
         gen = Generator(cfg, params, eos_ids=(), **({} if tree is None else dict(head_kw(tree), tree=tree)))
 
         def sunit(gen=gen):
           out = gen.generate([r.prompt for r in requests], 320)
-          return out.decode_s, int(np.max(out.rounds))
+          return out.decode_s / int(np.max(out.rounds)) * 1e3
         sunit()
         units[f"round_{name}_static"] = sunit
   print(json.dumps(sorted(units)), flush=True)
@@ -106,7 +94,7 @@ def worker(workdir: str, parts: list[str]) -> None:
     t0 = time.perf_counter()
     out = units[name]()
     wall = time.perf_counter() - t0
-    value = out / wall if name.startswith("batch1") else out[0] / out[1] * 1e3    # tokens/s | ms per round
+    value = out / wall if name.startswith("batch1") else out                       # tokens/s | ms per round
     print(json.dumps({"unit": name, "value": value}), flush=True)
 
 
