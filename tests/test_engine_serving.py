@@ -58,3 +58,45 @@ def test_cancel_frees_the_slot_and_changes_no_other_request(mode):
   kept = requests[1:3] + [requests[0]]
   assert_agree(CFG, target(), [r.prompt for r in kept], [ar_reference(tuple(r.prompt), r.max_new_tokens, ()) for r in kept],
                [final[i] for i in ids[1:3] + again])
+
+
+def test_progress_since_gives_only_the_new_tokens():
+  requests = random_requests(2, 4, max_new=16)
+  e = engine(None)
+  ids = e.submit(requests)
+  have = {i: [] for i in ids}
+  final = {}
+  while any(e._entries):
+    final.update({r.id: r.tokens for r in e.step(1)})
+    for rid, new in e.progress({i: len(t) for i, t in have.items()}).items():
+      have[rid] += new
+  for i in ids:                                         # the deltas concatenate to a prefix of the final tokens
+    assert final[i][:len(have[i])] == have[i] and have[i]
+
+
+def test_queue_programs_compile_once_for_any_number_of_requests():
+  """enqueue and drop take arrays padded to the queue's capacity: one program each, whatever a call holds."""
+  from jetspec_jax.decode import engine as engine_module
+  e = engine(None, slots=2, queue=4)
+  e.start()
+  before = engine_module.enqueue._cache_size(), engine_module.drop._cache_size()
+  for n in (1, 2, 3):
+    ids = e.submit(random_requests(10 + n, n, max_new=4))
+    e.cancel(ids[: n - 1] or ids)
+    e.step()
+  after = engine_module.enqueue._cache_size(), engine_module.drop._cache_size()
+  assert after[0] - before[0] <= 1 and after[1] - before[1] <= 1, (before, after)
+
+
+def test_request_ids_past_int32_keep_working():
+  """Request ids are host integers; the device's sequence numbers wrap at 2**31 (no OverflowError)."""
+  requests = random_requests(7, 2, max_new=4)
+  e = engine(None)
+  e.start()
+  e._next_id = 2 ** 31 - 1
+  ids = e.submit(requests)
+  assert ids == [2 ** 31 - 1, 2 ** 31]
+  final, _ = drain(e)
+  assert sorted(final) == ids
+  assert_agree(CFG, target(), [r.prompt for r in requests],
+               [ar_reference(tuple(r.prompt), r.max_new_tokens, ()) for r in requests], [final[i] for i in ids])

@@ -30,7 +30,7 @@ from jetspec_jax.decode.engine import Engine, EnginePlan, Request
 from jetspec_jax.decode.reference import greedy
 from jetspec_jax.decode.sampling import SamplingConfig
 from jetspec_jax.decode.speculative import TreeConfig
-from jetspec_jax.driver import Driver
+from jetspec_jax.driver import Driver, Ticket
 from jetspec_jax.models import draft_head, qwen3
 from jetspec_jax.tokenizer import IM_END, chat_prompt_ids, load_tokenizer, train_chat_tokenizer
 from jetspec_jax.train.pretrain import write_hf_directory
@@ -250,8 +250,11 @@ def test_a_client_that_leaves_frees_its_slot(server, reference, monkeypatch):
   url, service, _ = server
   driver = service.driver
   # The non-streaming handler polls for a departed client; polled every 20 ms it notices long before 200 tokens
-  # (200 one-round segments) are done, whatever this machine's speed.
+  # are done: each one-round segment is slowed by 20 ms, so that a busy machine (the event loop and the driver
+  # thread share the interpreter) cannot finish the request first.
   monkeypatch.setattr(serve, "DISCONNECT_POLL_S", 0.02)
+  step = driver.engine.step
+  monkeypatch.setattr(driver.engine, "step", lambda rounds: (time.sleep(0.02), step(rounds))[1])
 
   def idle():
     deadline = time.monotonic() + 60
@@ -379,6 +382,26 @@ def test_metrics_in_prometheus_text_format(server):
   assert value("jetspec_requests_running", "jetspec_requests_running") == 0
   assert 0 <= value("jetspec_slot_occupancy", "jetspec_slot_occupancy") <= 1
   assert value("jetspec_tau", "jetspec_tau") >= 1.0          # committed tokens per decode round: at least the root's
+
+
+def test_a_request_the_engine_cannot_run_is_told_and_touches_no_other(server):
+  """A ticket handed to the driver directly (past the service's checks) with a prompt longer than a slot: it
+  gets its own one-sentence error, the device loop goes on, a normal request beside it completes."""
+  url, service, _ = server
+  told = []
+  bad = Ticket(Request(list(range(1, 80)), 4), lambda tokens, done, error: told.append((done, error)))
+  service.driver.submit(bad)
+  r = client(url).completions.create(model=MODEL, prompt="the cat", max_tokens=3)
+  assert r.usage.completion_tokens == 3 and service.driver.error is None
+  assert told and told[-1][0] and "does not fit a slot" in told[-1][1]
+
+
+def test_serve_defaults_to_the_measured_best_tree():
+  from jetspec_jax import cli
+  args = cli.build_parser().parse_args(["serve", "--target", "x"])
+  assert (args.tree, args.budget, args.max_waiting, args.request_timeout) == ("best_nodes", 16, None, 0.0)
+  gen = cli.build_parser().parse_args(["generate", "--target", "x", "--prompt", "hi"])
+  assert (gen.tree, gen.budget) == ("accum_logp", 64)
 
 
 def test_drain_ends_what_does_not_finish_in_time(server):
