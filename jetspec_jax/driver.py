@@ -3,9 +3,10 @@
 The thread loops over segments: cancel what was asked to stop, submit waiting requests (as many as the
 engine's queue has free entries; the rest wait their turn, in arrival order), ``step(segment_rounds)``,
 then publish to every live request its new tokens (``Engine.progress`` since what it has: one fetch per
-segment, host work in the new tokens) and, for those that finished, the rest of their tokens. Callers never touch the engine: ``submit`` and ``cancel``
-only append to locked lists and wake the thread, and a ``Ticket``'s ``publish`` callback must return at
-once (a server hands the update to its event loop), so neither side waits on the other.
+segment, host work in the new tokens) and, for those that finished, the rest of their tokens. Callers never
+touch the engine: ``submit`` and ``cancel`` only append to locked lists and wake the thread, and a ``Ticket``'s
+``publish`` callback must return at once (a server hands the update to its event loop), so neither side waits
+on the other.
 """
 from __future__ import annotations
 
