@@ -6,6 +6,7 @@ do not mix; a server compiled for one sampling setting refuses others; stop stri
 leaves frees its slot; bad input gets a 4xx with an OpenAI-style body (written to
 docs/serving_bad_input.md); SIGTERM drains the requests in flight and exits 0."""
 import concurrent.futures
+import contextlib
 import dataclasses
 import functools
 import json
@@ -435,21 +436,28 @@ def test_sigterm_finishes_the_requests_in_flight_and_exits_0(model_dir, referenc
       line = proc.stderr.readline()
     url = re.search(r"http://\S+:\d+", line).group(0)
     tok = load_tokenizer(target)
-    body = {"model": MODEL, "prompt": PROMPTS[1], "max_tokens": 120, "stream": True}
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as s:
-      lines = s.iter_lines()
-      next(line for line in lines if line.startswith("data: "))
+    # three requests on two slots: the drain lasts at least two requests' decoding, while the 503 below is
+    # sent milliseconds after the signal (once /health reports the drain)
+    prompts = [PROMPTS[1], PROMPTS[2], PROMPTS[3]]
+    with contextlib.ExitStack() as streams:
+      lines = [streams.enter_context(httpx.stream(
+          "POST", f"{url}/v1/completions", json={"model": MODEL, "prompt": p, "max_tokens": 120, "stream": True},
+          timeout=120)).iter_lines() for p in prompts]
+      first = json.loads(next(line for line in lines[0] if line.startswith("data: "))[len("data: "):])
       proc.send_signal(signal.SIGTERM)
-      time.sleep(0.2)
+      deadline = time.monotonic() + 30
+      while httpx.get(f"{url}/health", timeout=30).json()["status"] != "draining":
+        assert time.monotonic() < deadline, "the server never reported the drain"
       r = httpx.post(f"{url}/v1/completions", json=GOOD, timeout=30)
       assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable"
-      rest = sse(lines)
-    assert rest[-1]["choices"][0]["finish_reason"] in ("length", "stop")
+      events = [[first] + sse(lines[0])] + [sse(ls) for ls in lines[1:]]
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 0, err[-3000:]
     assert json.loads(out)["cancelled"] == 0
-    ids = tok.encode(PROMPTS[1], add_special_tokens=False)
-    assert expected(reference, tok, ids, 120)[0].endswith("".join(e["choices"][0]["text"] for e in rest))
+    for p, ev in zip(prompts, events):
+      assert ev[-1]["choices"][0]["finish_reason"] in ("length", "stop")
+      ids = tok.encode(p, add_special_tokens=False)
+      assert "".join(e["choices"][0]["text"] for e in ev) == expected(reference, tok, ids, 120)[0]
   finally:
     if proc.poll() is None:
       proc.kill()
