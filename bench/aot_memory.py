@@ -220,7 +220,7 @@ def engine_program(target: Qwen3Config, head_cfg, plan, mesh, sampling: str = "g
   program = engine.RoundProgram(plan=plan, cfg=target, head_cfg=head_cfg, eos_ids=(),
                                 regime=regime_for(s, plan.per_request_sampling), attn_impl=attention, mesh=mesh)
   return engine.run_rounds.lower(target_params, head_params, state, small(jax.ShapeDtypeStruct((), jnp.int32)),
-                                 program=program).compile()
+                                 program=program, window=engine.token_window(plan, 1 << 30)).compile()
 
 
 def round_plan(committed: int, slots: int, tree, sampling: str = "greedy", lanes: int = 1, prefill_rows: int = 64):

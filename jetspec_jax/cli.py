@@ -264,10 +264,9 @@ def cmd_serve(args) -> dict:
   engine = Engine(cfg, params, plan, sampling_cfg=sampling_cfg, eos_ids=eos, attn_impl=impl, mesh=mesh, **head)
   say = _status_lines(args)
   say("compiling the engine's programs")
-  engine.start()                       # a request through step, progress and cancel: compiled before listening
+  engine.start()                       # a request through a segment and a cancel: compiled before listening
   ids = engine.submit([Request([0], min(2, args.max_tokens))])
-  engine.step(1)
-  engine.progress()
+  engine.step(args.segment_rounds)
   engine.cancel(ids)
   driver = Driver(engine, args.segment_rounds, max_waiting=args.max_waiting or 8 * plan.queue * groups)
   driver.start()

@@ -1,9 +1,11 @@
 """One thread that owns an ``Engine`` and serves requests arriving from other threads.
 
-The thread loops over segments: cancel what was asked to stop, submit waiting requests (as many as the
-engine's queue has free entries; the rest wait their turn, in arrival order), ``step(segment_rounds)``,
-then publish to every live request its new tokens (``Engine.progress`` since what it has: one fetch per
-segment, host work in the new tokens) and, for those that finished, the rest of their tokens. Callers never
+The thread keeps one segment in flight: it cancels what was asked to stop, submits waiting requests (as many
+as the engine's queue has free entries; the rest wait their turn, in arrival order), dispatches the next
+segment (``segment_rounds`` rounds), and only then collects the previous one and publishes it: to every live
+request its new tokens (a delta: host work in the new tokens), to those that finished their last ones. The
+device runs a segment while the host handles the one before, so host work is hidden unless it takes longer
+than a segment; a request submitted or cancelled while a segment runs takes effect in the next. Callers never
 touch the engine: ``submit`` and ``cancel`` only append to locked lists and wake the thread, and a ``Ticket``'s
 ``publish`` callback must return at once (a server hands the update to its event loop), so neither side waits
 on the other.
@@ -29,10 +31,9 @@ class Overloaded(JetSpecError):
 
 @dataclasses.dataclass(eq=False)
 class Ticket:
-  """A request handed to the driver and where its updates go; ``published``: tokens already sent."""
+  """A request handed to the driver and where its updates go."""
   request: Request
   publish: Publish
-  published: int = 0
   done: bool = False
 
 
@@ -49,7 +50,7 @@ class Driver:
     self._live: dict[int, Ticket] = {}                 # engine id -> ticket
     self._stop = False
     self.error: str | None = None                      # set when the device loop failed; nothing more runs
-    self.segments = 0                                  # steps run
+    self.segments = 0                                  # segments collected
     self.cancelled = 0                                 # requests stopped before they finished
     self.refused = 0                                   # requests refused at the bound (``Overloaded``)
     self.rejected = 0                                  # requests the engine could not run (told, one sentence)
@@ -119,10 +120,11 @@ class Driver:
     self._arrived, self._waiting, self._live = [], [], {}
     return len(rest)
 
-  def _take(self) -> tuple[list[Ticket], list[Ticket]] | None:
-    """(arrived, cancelled) since the last call, after waiting for work while nothing runs; None: stop."""
+  def _take(self, wait: bool) -> tuple[list[Ticket], list[Ticket]] | None:
+    """(arrived, cancelled) since the last call, after waiting for work while nothing runs (``wait``: no
+    segment in flight); None: stop."""
     with self._wake:
-      while not (self._stop or self._arrived or self._cancelled or self._waiting or self._live):
+      while wait and not (self._stop or self._arrived or self._cancelled or self._waiting or self._live):
         self._wake.wait()
       if self._stop:
         return None
@@ -132,9 +134,14 @@ class Driver:
 
   def _run(self) -> None:
     try:
-      while (taken := self._take()) is not None:
+      in_flight = None
+      while (taken := self._take(wait=in_flight is None)) is not None:
         arrived, cancelled = taken
-        self._segment(arrived, set(cancelled))
+        self._admit(arrived, set(cancelled))
+        dispatched = self.engine.dispatch(self.segment_rounds) if self._live else None
+        if in_flight is not None:
+          self._publish(self.engine.collect(in_flight))
+        in_flight = dispatched
     except Exception as e:  # noqa: BLE001  (the device loop failed: every request is told, none hangs)
       with self._wake:
         self.error = f"the engine failed ({type(e).__name__}: {e}); restart the server"
@@ -144,8 +151,8 @@ class Driver:
         t.publish([], True, self.error)
       raise
 
-  def _segment(self, arrived: list[Ticket], cancelled: set[Ticket]) -> None:
-    """Cancel, submit, one ``step``, publish (module docstring)."""
+  def _admit(self, arrived: list[Ticket], cancelled: set[Ticket]) -> None:
+    """Cancel, then submit what the engine's queue has room for (module docstring)."""
     engine = self.engine
     gone = [rid for rid, t in self._live.items() if t in cancelled]
     engine.cancel(gone)
@@ -169,20 +176,18 @@ class Driver:
         good.append(t)
       if good:
         self._live.update(zip(engine.submit([t.request for t in good]), good))
-    if not self._live:
-      return
-    finished = engine.step(self.segment_rounds)
+
+  def _publish(self, update) -> None:
+    """A collected segment's new tokens and finished requests to their tickets."""
     self.segments += 1
-    for r in finished:
+    for r in update.finished:
       self.decode_rounds += r.steps
       self.decoded_tokens += max(len(r.tokens) - 1, 0)
       t = self._live.pop(r.id)
       if not t.done:
         t.done = True
-        t.publish(r.tokens[t.published:], True, None)
-        t.published = len(r.tokens)
-    for rid, new in engine.progress({rid: t.published for rid, t in self._live.items()}).items():
-      t = self._live[rid]
-      if new and not t.done:
-        t.published += len(new)
+        t.publish(update.new.get(r.id, []), True, None)
+    for rid, new in update.new.items():
+      t = self._live.get(rid)
+      if t is not None and not t.done:
         t.publish(new, False, None)

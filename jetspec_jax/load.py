@@ -7,10 +7,10 @@ Requests come from ShareGPT's own conversations: the first user turn (chat templ
 the length of the assistant's reply its ``max_new_tokens`` (capped), filtered as vLLM filters them
 (prompt and reply of at least 4 tokens, prompt at most ``max_prompt``, the two within ``context``).
 
-The engine runs in segments of ``segment_rounds`` rounds; between segments the host submits the
-requests that have arrived and collects the finished ones, as a server would. A request's first
-token is visible at the end of the segment that drew it (TTFT counts from its arrival to then), its
-last at the end of the segment that finished it; TPOT is the time between the two over (tokens - 1)
+The engine runs in segments of ``segment_rounds`` rounds, one in flight, as the server's driver runs it:
+the host submits the requests that have arrived, dispatches the next segment, then collects the previous
+one's finished requests. A request's first token is visible when the segment that drew it is collected
+(TTFT counts from its arrival to then), its last when the segment that finished it is; TPOT is the time between the two over (tokens - 1)
 (wall times at segment resolution). The static baseline runs the same requests in arrival-order batches
 of the slot count, each batch admitted at once and run to its longest ``max_new_tokens`` before the next
 starts (an engine run per batch): what static batching does.
@@ -24,7 +24,6 @@ from typing import Callable, Sequence
 import numpy as np
 
 from jetspec_jax.decode.engine import Engine, Request
-from jetspec_jax.distributed import host_values
 from jetspec_jax.errors import JetSpecError
 
 
@@ -76,7 +75,18 @@ def run_engine(engine: Engine, requests: Sequence[Request], *, rate: float | Non
   pending_ids: dict[int, int] = {}                                   # engine id -> request index
   done: dict[int, dict] = {}
   submitted, t0 = 0, time.perf_counter()
-  segment_end: list[tuple[int, float]] = []                          # (rounds so far, wall time)
+  segment_end: list[tuple[int, float]] = []                          # (rounds so far, wall time collected)
+  in_flight, busy, rounds = None, 0, 0
+
+  def collect(segment):
+    nonlocal busy, rounds
+    update = engine.collect(segment)
+    busy, rounds = busy + update.busy, update.round
+    segment_end.append((rounds, time.perf_counter() - t0))
+    for r in update.finished:
+      done[pending_ids.pop(r.id)] = {"result": r}
+    progress(f"{len(done)}/{len(requests)} requests done")
+
   while len(done) < len(requests):
     now = time.perf_counter() - t0
     free = engine.plan.queue * engine.plan.groups - len(pending_ids)
@@ -85,15 +95,15 @@ def run_engine(engine: Engine, requests: Sequence[Request], *, rate: float | Non
       for eid, i in zip(engine.submit([requests[i] for i in ready]), ready):
         pending_ids[eid] = i
       submitted += len(ready)
-    if not pending_ids:                                              # idle until the next arrival
+    if not pending_ids and in_flight is None:                        # idle until the next arrival
       time.sleep(max(0.0, arrive[order[submitted]] - now))
       continue
-    finished = engine.step(segment_rounds)
-    rounds = int(engine.state.round)
-    segment_end.append((rounds, time.perf_counter() - t0))
-    for r in finished:
-      done[pending_ids.pop(r.id)] = {"result": r}
-    progress(f"{len(done)}/{len(requests)} requests done")
+    dispatched = engine.dispatch(segment_rounds) if pending_ids else None
+    if in_flight is not None:
+      collect(in_flight)
+    in_flight = dispatched
+  if in_flight is not None:
+    collect(in_flight)
   wall = time.perf_counter() - t0
   ends = np.asarray(segment_end)
 
@@ -112,7 +122,6 @@ def run_engine(engine: Engine, requests: Sequence[Request], *, rate: float | Non
   output = sum(r["output_tokens"] for r in rows)
   decoded = output - len(rows)
   steps = sum(r["steps"] for r in rows)
-  busy, rounds = (int(np.sum(x)) for x in host_values((engine.state.busy, engine.state.round)))
   return {"requests": rows, "wall_s": wall, "rounds": rounds, "output_tokens": output,
           "tokens_per_s": output / wall, "requests_per_s": len(rows) / wall,
           "tau": decoded / max(steps, 1), "occupancy": busy / max(rounds * engine.plan.slots, 1),

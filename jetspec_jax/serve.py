@@ -148,13 +148,16 @@ class Event:
 class Service:
   """What the endpoints serve: the driver (started), tokenizer, model name, the engine's sampling and
   EOS ids. ``draining``: set on SIGTERM, new requests get 503. ``request_timeout`` (seconds, None: none): a request
-  running longer is cancelled with a 504; a request refused at the driver's bound gets 429 with ``retry_after``."""
+  running longer is cancelled with a 504; a request refused at the driver's bound gets 429 with ``retry_after``.
+  ``max_body``: the largest request body in bytes (None: 1 MiB or 64 bytes per prompt token of a slot, whichever
+  is more); a larger one gets 413 without being read further."""
 
   def __init__(self, driver: Driver, tokenizer, model_name: str, *, completion_default_tokens: int = 16,
-               request_timeout: float | None = None, retry_after: int = 1):
+               request_timeout: float | None = None, retry_after: int = 1, max_body: int | None = None):
     engine = driver.engine
     self.driver, self.tokenizer, self.model_name = driver, tokenizer, model_name
     self.cfg, self.plan, self.sampling, self.eos = engine.cfg, engine.plan, engine.sampling, set(engine.eos)
+    self.max_body = max_body or max(1 << 20, 64 * engine.plan.max_prompt)
     self.completion_default_tokens = completion_default_tokens
     self.request_timeout, self.retry_after = request_timeout, retry_after
     self.metrics = Metrics(driver, engine.plan.slots)
@@ -433,7 +436,18 @@ def create_app(service: Service):
                                                 "/v1/chat/completions").body(), status_code=e.status_code)
 
   async def body_of(request: HttpRequest) -> dict:
-    raw = await request.body()
+    too_big = ApiError(413, f"the request body is larger than this server's limit ({service.max_body} bytes); "
+                            f"send a shorter prompt", code="body_too_large")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > service.max_body:
+      raise too_big
+    parts, size = [], 0
+    async for chunk in request.stream():
+      size += len(chunk)
+      if size > service.max_body:
+        raise too_big
+      parts.append(chunk)
+    raw = b"".join(parts)
     try:
       body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:

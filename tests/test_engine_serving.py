@@ -1,6 +1,9 @@
-"""What a server needs from the engine between segments: ``progress`` (the running requests' tokens so
-far, each a prefix of its final tokens) and ``cancel`` (a queued or running request stops, frees its slot
-and queue entry, never comes out of ``step``, and changes no other request's tokens)."""
+"""What a server needs from the engine between segments: segments dispatched ahead of their collection (one
+in flight, as the driver runs them), each request's new tokens per segment (``Update.new``: the deltas
+concatenate to its final tokens), ``progress`` (the tokens so far, a prefix of the final tokens) and ``cancel``
+(a queued or running request stops, frees its slot and queue entry, never comes out of ``step``, and changes no
+other request's tokens)."""
+import jax.numpy as jnp
 import pytest
 
 from jetspec_jax.decode.engine import Engine, EnginePlan
@@ -60,18 +63,63 @@ def test_cancel_frees_the_slot_and_changes_no_other_request(mode):
                [final[i] for i in ids[1:3] + again])
 
 
-def test_progress_since_gives_only_the_new_tokens():
-  requests = random_requests(2, 4, max_new=16)
+@pytest.mark.parametrize("mode", MODES)
+def test_one_segment_in_flight_gives_every_token_once(mode):
+  """The driver's loop: submit and cancel while a segment runs, dispatch the next, then collect the previous.
+  Each request's deltas concatenate to exactly its final tokens, which agree with its AR tokens; a cancelled one
+  never finishes; a segment collected out of order is refused in one sentence."""
+  requests = random_requests(11, 6, max_new=16)
+  e = engine(MODES[mode], slots=2, queue=4)
+  e.start()
+  have, final, cancelled, later = {}, {}, None, list(requests[3:])
+  ids = e.submit(requests[:3])
+  in_flight = None
+  for _ in range(200):
+    if in_flight is not None and cancelled is None and have.get(ids[2]):
+      cancelled = e.cancel([ids[2]])                   # running (tokens seen), cancelled while a segment runs
+    free = e.plan.queue - sum(len(x) for x in e._entries)
+    if later and free:
+      ids += e.submit(later[:free])
+      later = later[free:]
+    dispatched = e.dispatch(2)
+    if in_flight is not None:
+      update = e.collect(in_flight)
+      for rid, new in update.new.items():
+        have.setdefault(rid, []).extend(new)
+      final.update({r.id: r.tokens for r in update.finished})
+    in_flight = dispatched
+    if not any(e._entries) and not later:
+      break
+  e.collect(in_flight)
+  assert cancelled == [ids[2]] and ids[2] not in final
+  kept = [i for i in ids if i != ids[2]]
+  assert sorted(final) == kept
+  assert all(have[i] == final[i] for i in kept)
+  assert_agree(CFG, target(), [requests[i].prompt for i in kept],
+               [ar_reference(tuple(requests[i].prompt), requests[i].max_new_tokens, ()) for i in kept],
+               [final[i] for i in kept])
+  first, second = e.dispatch(1), e.dispatch(1)
+  with pytest.raises(Exception, match="collected out of order"):
+    e.collect(second)
+  e.collect(first)
+  e.collect(second)
+
+
+def test_the_round_counter_wraps_without_stopping_the_loop():
+  """The round counter is int32 and wraps after 2**31 rounds (weeks of a busy server): a segment's bound is a
+  difference of counters, so rounds still run and requests finish across the wrap."""
+  requests = random_requests(13, 2, max_new=6)
   e = engine(None)
+  e.start()
+  e.state = e.state.replace(round=jnp.int32(2 ** 31 - 3))
   ids = e.submit(requests)
-  have = {i: [] for i in ids}
   final = {}
-  while any(e._entries):
-    final.update({r.id: r.tokens for r in e.step(1)})
-    for rid, new in e.progress({i: len(t) for i, t in have.items()}).items():
-      have[rid] += new
-  for i in ids:                                         # the deltas concatenate to a prefix of the final tokens
-    assert final[i][:len(have[i])] == have[i] and have[i]
+  for _ in range(50):
+    final.update({r.id: r.tokens for r in e.step(2)})
+    if len(final) == 2:
+      break
+  assert sorted(final) == ids
+  assert [final[i] for i in ids] == [ar_reference(tuple(r.prompt), r.max_new_tokens, ()) for r in requests]
 
 
 def test_queue_programs_compile_once_for_any_number_of_requests():

@@ -1,5 +1,6 @@
 """The engine's generation API: SamplingConfig, ``generate`` and ``EngineRun`` / ``RequestResult`` counts, a
 request's own key and a wider slot, no host transfer inside the loop, the transfer guard and fetch hooks."""
+import dataclasses
 import functools
 
 import jax
@@ -10,7 +11,7 @@ from jetspec_jax.bench import HOST_OPS
 from greedy import assert_agree
 from jetspec_jax.config import Qwen3Config
 from jetspec_jax.decode import reference
-from jetspec_jax.decode.engine import Engine, EnginePlan, Request, acceptance, generate
+from jetspec_jax.decode.engine import Engine, EnginePlan, Report, Request, acceptance, generate
 from jetspec_jax.decode.sampling import SamplingConfig
 from jetspec_jax.decode.speculative import TreeConfig
 from jetspec_jax.errors import JetSpecError
@@ -108,7 +109,7 @@ def test_no_host_transfer_inside_the_decode_loop(speculative_mode):
 @pytest.mark.parametrize("speculative_mode", [False, True], ids=["ar", "speculative"])
 def test_transfer_guard_and_fetch_hooks(speculative_mode, monkeypatch):
   """``transfer_guard`` wraps each step's device loop in the device-to-host guard at that level; ``on_fetch`` sees
-  the arrays of the one fetch of the finished requests (10, AR and speculative); the tokens are those of an
+  the arrays of the one fetch per segment (the report's, AR and speculative); the tokens are those of an
   uninstrumented engine."""
   target, _ = weights()
   kw = speculative_kw(speculative_mode)
@@ -116,7 +117,7 @@ def test_transfer_guard_and_fetch_hooks(speculative_mode, monkeypatch):
   guard = jax.transfer_guard_device_to_host
   monkeypatch.setattr(jax, "transfer_guard_device_to_host", lambda level: levels.append(level) or guard(level))
   out = run(transfer_guard="disallow", on_fetch=fetches.append, **kw)
-  assert levels == ["disallow"] and [len(f) for f in fetches] == [10]
+  assert levels == ["disallow"] and [len(f) for f in fetches] == [len(dataclasses.fields(Report))]
   assert all(isinstance(a, jax.Array) for a in fetches[0])
   assert out.tokens == run(**kw).tokens
   with pytest.raises(JetSpecError, match="transfer_guard 'sometimes'"):

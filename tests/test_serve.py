@@ -251,11 +251,11 @@ def test_a_client_that_leaves_frees_its_slot(server, reference, monkeypatch):
   url, service, _ = server
   driver = service.driver
   # The non-streaming handler polls for a departed client; polled every 20 ms it notices long before 200 tokens
-  # are done: each one-round segment is slowed by 20 ms, so that a busy machine (the event loop and the driver
+  # are done: each segment's dispatch is slowed by 20 ms, so that a busy machine (the event loop and the driver
   # thread share the interpreter) cannot finish the request first.
   monkeypatch.setattr(serve, "DISCONNECT_POLL_S", 0.02)
-  step = driver.engine.step
-  monkeypatch.setattr(driver.engine, "step", lambda rounds: (time.sleep(0.02), step(rounds))[1])
+  dispatch = driver.engine.dispatch
+  monkeypatch.setattr(driver.engine, "dispatch", lambda rounds: (time.sleep(0.02), dispatch(rounds))[1])
 
   def idle():
     deadline = time.monotonic() + 60
@@ -310,6 +310,8 @@ BAD_INPUTS = [
     ("logprobs asked for", "/v1/completions", {**GOOD, "logprobs": 2}, 400, "logprobs"),
     ("frequency_penalty asked for", "/v1/completions", {**GOOD, "frequency_penalty": 0.5}, 400, "frequency_penalty"),
     ("unknown path", "/v1/embeddings", GOOD, 404, None),
+    ("body over the size limit (1 MiB here)", "/v1/completions",
+     json.dumps({**GOOD, "prompt": "a" * (1 << 20)}), 413, None),
 ]
 
 
@@ -323,6 +325,14 @@ def test_bad_input_gets_a_4xx_with_an_openai_error_body(server):
     assert r.status_code == status and err["param"] == param, (name, r.status_code, err)
     assert set(err) == {"message", "type", "param", "code"} and err["message"].strip(), name
     rows.append((name, path, status, json.dumps(r.json())))
+  bound = service.driver.max_waiting
+  service.driver.max_waiting = 0                            # the waiting list at its bound: every request is over it
+  try:
+    r = httpx.post(f"{url}/v1/completions", json=GOOD, timeout=30)
+  finally:
+    service.driver.max_waiting = bound
+  assert r.status_code == 429 and r.headers["retry-after"] and r.json()["error"]["type"] == "rate_limit_error", r.text
+  rows.append(("a request beyond --max-waiting waiting ones", "/v1/completions", 429, json.dumps(r.json())))
   r = client(url).completions.create(model=MODEL, prompt="the cat", max_tokens=3)          # nothing disturbed
   assert r.usage.completion_tokens == 3 and service.driver.outstanding() == 0
   table = ["| input | endpoint | status | body |", "| --- | --- | --- | --- |"]
@@ -409,8 +419,8 @@ def test_drain_ends_what_does_not_finish_in_time(server):
   """Shutdown (``handle_exit``, as SIGTERM calls it) with a 0.5 s drain timeout and a slowed engine: new
   requests get 503, the request in flight ends with an error event and [DONE]. Runs last: it stops the driver."""
   url, service, srv = server
-  engine, step = service.driver.engine, service.driver.engine.step
-  engine.step = lambda rounds: (time.sleep(0.05), step(rounds))[1]
+  engine, dispatch = service.driver.engine, service.driver.engine.dispatch
+  engine.dispatch = lambda rounds: (time.sleep(0.05), dispatch(rounds))[1]
   with httpx.stream("POST", f"{url}/v1/completions", json={**GOOD, "max_tokens": 200, "stream": True},
                     timeout=60) as s:
     lines = s.iter_lines()

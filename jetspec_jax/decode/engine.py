@@ -715,15 +715,72 @@ def with_control(s: EngineState, plan: EnginePlan) -> EngineState:
   return s.replace(control=jnp.stack([pending, 2 * bucket + prefill, due]).astype(jnp.int32))
 
 
-@functools.partial(jax.jit, static_argnames=("program",), donate_argnames=("state",))
+@flax.struct.dataclass
+class Report:
+  """What one ``run_rounds`` call hands the host, in buffers of its own: the state is donated to the next call,
+  a report is not, so the host reads it while the next call runs. W: the token window (``token_window``: at
+  least the tokens one request can commit in the call). Per queue entry [G, Q]: ``ended`` (FINISHED), ``seq``,
+  ``num`` tokens, ``start`` (the tokens it had when the call began: 0 unless a slot held it then), ``tail``
+  [G, Q, W] (its tokens from ``start`` on) and its counts (``RequestResult``); per slot [B], for the request it
+  holds at the end (``slot_entry`` -1: none): the same token fields; ``round``: the engine's round counter at
+  the end (int32, wrapping), ``busy`` [B]: rounds each slot held a request in the call."""
+  ended: jax.Array
+  seq: jax.Array
+  num: jax.Array
+  start: jax.Array
+  tail: jax.Array
+  steps: jax.Array
+  depth_hist: jax.Array
+  depth_visits: jax.Array
+  rank_hits: jax.Array
+  rank_mass: jax.Array
+  admitted: jax.Array
+  first: jax.Array
+  finished: jax.Array
+  slot_entry: jax.Array
+  slot_seq: jax.Array
+  slot_num: jax.Array
+  slot_start: jax.Array
+  slot_tail: jax.Array
+  round: jax.Array
+  busy: jax.Array
+
+
+def token_window(plan: EnginePlan, rounds: int) -> int:
+  """The report's token window for a call of at most ``rounds`` rounds: a round commits at most depth + 1
+  tokens of a request; a power of two (few programs), at most ``max_new_tokens``."""
+  need = max(1, rounds) * (plan.depth + 1)
+  return min(plan.max_new_tokens, 1 << (need - 1).bit_length())
+
+
+def _report(begin: EngineState, s: EngineState, plan: EnginePlan, window: int) -> Report:
+  """The report of a call that began at ``begin`` and ended at ``s`` (``Report``)."""
+  g, per, q = plan.groups, plan.slots // plan.groups, s.queue
+  held = begin.entry >= 0
+  same = held & (s.entry == begin.entry) & (s.seq == begin.seq)
+  slot_start = jnp.where(same, begin.num_tokens, 0)
+  cols = lambda start: jnp.clip(start[..., None] + jnp.arange(window), 0, plan.max_new_tokens - 1)
+  # Per group: the entries its slots held when the call began start at their token counts then.
+  start = jax.vmap(lambda e, n: jnp.zeros((plan.queue,), jnp.int32).at[jnp.where(e >= 0, e, plan.queue)].set(
+      n, mode="drop"))(begin.entry.reshape(g, per), begin.num_tokens.reshape(g, per))
+  return Report(ended=q.status == FINISHED, seq=q.seq, num=q.num_tokens, start=start,
+                tail=jnp.take_along_axis(q.tokens, cols(start), axis=2), steps=q.steps, depth_hist=q.depth_hist,
+                depth_visits=q.depth_visits, rank_hits=q.rank_hits, rank_mass=q.rank_mass, admitted=q.admitted,
+                first=q.first, finished=q.finished, slot_entry=s.entry, slot_seq=s.seq, slot_num=s.num_tokens,
+                slot_start=slot_start, slot_tail=jnp.take_along_axis(s.tokens, cols(slot_start), axis=1),
+                round=s.round, busy=s.busy - begin.busy)
+
+
+@functools.partial(jax.jit, static_argnames=("program", "window"), donate_argnames=("state",))
 def run_rounds(target_params, head_params, state: EngineState, max_rounds: jax.Array, *,
-               program: RoundProgram) -> EngineState:
+               program: RoundProgram, window: int) -> tuple[EngineState, Report]:
   """Rounds until no request is pending or ``max_rounds`` (a traced int: one program serves offline
-  runs and segments) more have run; the state is donated."""
+  runs and segments) more have run; the state is donated. Returns the state and the call's ``Report``
+  (token window ``window``, ``token_window``)."""
   plan = program.plan
-  stop = state.round + max_rounds
+  begin = state.round
   body = functools.partial(engine_round, target_params, head_params, program=program)
-  going = lambda s: (s.control[0] > 0) & (s.round < stop)
+  going = lambda s: (s.control[0] > 0) & (s.round - begin < max_rounds)     # int32 difference: wraps safely
   # One round body per (key length, with or without prefill lanes); the body changes rarely (a prompt
   # arriving or completing, a request growing past a length, the longest one finishing): one switch then.
   variants = [(key_len, prefill) for key_len in plan.key_lengths() for prefill in (False, True)]
@@ -736,8 +793,9 @@ def run_rounds(target_params, head_params, state: EngineState, max_rounds: jax.A
   def rounds(s):                       # flush (finish, admit), then rounds of one body until the next flush is due
     s = flush(s, plan, program.mesh)
     return jax.lax.switch(s.control[1], [rounds_in(v) for v in range(len(variants))], s)
-  state = jax.lax.while_loop(going, rounds, with_control(state, plan))
-  return flush(state, plan, program.mesh)         # the segment's finished requests in the queue, free slots admitted
+  end = jax.lax.while_loop(going, rounds, with_control(state, plan))
+  end = flush(end, plan, program.mesh)         # the call's finished requests in the queue, free slots admitted
+  return end, _report(state, end, plan, window)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -812,12 +870,31 @@ class EngineRun:
     return [r.tokens for r in self.results]
 
 
+@dataclasses.dataclass(frozen=True)
+class Segment:
+  """A dispatched ``run_rounds`` call: its report (device arrays, copying to the host) and its index."""
+  report: Report
+  index: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Update:
+  """A collected segment: the requests that finished (by id), every outstanding request's new tokens ``new``
+  {id: tokens} (the finished ones' last tokens included), the round counter at its end and the slot-rounds
+  that held a request in it."""
+  finished: list[RequestResult]
+  new: dict[int, list[int]]
+  round: int
+  busy: int
+
+
 class Engine:
   """Continuous batching over ``plan.slots`` slots (AR without a head, speculative with ``head_cfg``,
   ``head_params`` and ``plan.tree``). Offline: ``run(requests)``. Segmented: ``submit`` requests, then
-  ``step(rounds)`` runs at most that many rounds on device (state donated) and returns the requests
-  that finished; a host may submit more between steps, read the running requests' tokens (``progress``)
-  and ``cancel`` requests.
+  ``dispatch(rounds)`` starts at most that many rounds on device (state donated) and ``collect`` returns what
+  they did (``Update``: finished requests, every request's new tokens); a host keeps one segment in flight
+  (dispatch the next, then collect the previous), submitting and cancelling between. ``step``: dispatch and
+  collect at once.
 
   ``drafter``: the speculative rounds' per-depth logits (``speculative.Drafter``; default the head). Instrumentation
   (benchmarks, tests): ``transfer_guard`` (one of ``TRANSFER_GUARDS``) runs every ``step``'s device loop, and waits
@@ -851,6 +928,8 @@ class Engine:
     self.state = None
     self._next_id = 0
     self._entries: list[dict[int, int]] = []        # per group: entry -> outstanding request id
+    self._tokens: dict[int, list[int]] = {}         # outstanding request id -> its tokens collected so far
+    self._dispatched = self._collected = 0          # segments
 
   @classmethod
   def for_requests(cls, target_cfg: Qwen3Config, target_params: dict, requests: Sequence[Request], *, slots: int,
@@ -880,7 +959,9 @@ class Engine:
       draft_dtype = None if self.head_params is None else self.head_params["fc"].dtype
       self.state = init_state(self.plan, self.cfg, self.head_cfg, self.cache_dtype, draft_dtype, self.mesh)
     self._entries = [dict() for _ in range(self.plan.groups)]
+    self._tokens = {}
     self._next_id = 0
+    self._collected = self._dispatched                # segments of the previous state are not collected
 
   def submit(self, requests: Sequence[Request]) -> list[int]:
     """Queue requests (each to the group with the fewest outstanding); returns their ids. Refuses, in
@@ -921,6 +1002,7 @@ class Engine:
                          settings[:, 1].astype(np.int32), settings[:, 2].astype(np.float32))
     for g, e, rid in zip(groups, entries, ids):
       self._entries[g][e] = rid
+      self._tokens[rid] = []
     self._next_id += len(requests)
     return ids
 
@@ -954,58 +1036,85 @@ class Engine:
     another)."""
     if self.state is None:
       self.start()
-    return run_rounds.trace(self.params, self.head_params, self.state, np.int32(rounds), program=self.program)
+    return run_rounds.trace(self.params, self.head_params, self.state, np.int32(rounds), program=self.program,
+                            window=token_window(self.plan, rounds))
 
   def lower(self, rounds: int = 1 << 30) -> jax.stages.Lowered:
     """The program ``step`` runs, lowered for this backend (neither run nor donated)."""
     return self.trace(rounds).lower()
 
-  def step(self, rounds: int = 1 << 30) -> list[RequestResult]:
-    """Run at most ``rounds`` rounds (until nothing is pending); returns the requests finished since the
-    last step, their queue entries freed for new requests."""
+  def dispatch(self, rounds: int = 1 << 30) -> Segment:
+    """Start at most ``rounds`` rounds on device (until nothing is pending; the state donated) and return at
+    once: the host may submit, cancel and ``collect`` the previous segment while this one runs. Every segment
+    is collected, in dispatch order."""
     if self.state is None:
       self.start()
-    call = lambda: run_rounds(self.params, self.head_params, self.state, np.int32(rounds), program=self.program)
+    call = lambda: run_rounds(self.params, self.head_params, self.state, np.int32(rounds), program=self.program,
+                              window=token_window(self.plan, rounds))
     if self.transfer_guard is None:
-      self.state = call()
+      self.state, report = call()
     else:
       with jax.transfer_guard_device_to_host(self.transfer_guard):
-        self.state = jax.block_until_ready(call())
-    status = np.asarray(host_values(self.state.queue.status))
-    done = [(g, e) for g in range(self.plan.groups) for e in np.flatnonzero(status[g] == FINISHED)
-            if e in self._entries[g]]
-    if not done:
-      return []
-    q = self.state.queue
-    g_idx, e_idx = np.asarray([g for g, _ in done]), np.asarray([e for _, e in done])
-    arrays = (q.tokens, q.num_tokens, q.steps, q.depth_hist, q.depth_visits, q.rank_hits, q.rank_mass, q.admitted,
-              q.first, q.finished)
-    if self.on_fetch is not None:
-      self.on_fetch(arrays)
-    fetched = [a[g_idx, e_idx] for a in host_values(arrays)]
-    tokens, num, steps, hist, visits, hits, mass, admitted, first, finished = fetched
-    out = []
-    for i, (g, e) in enumerate(done):
-      out.append(RequestResult(id=self._entries[g].pop(e), tokens=tokens[i, :num[i]].tolist(), steps=int(steps[i]),
-                               depth_histogram=hist[i], depth_visits=visits[i], rank_hits=hits[i], rank_mass=mass[i],
-                               admitted=int(admitted[i]), first=int(first[i]), finished=int(finished[i])))
-    return out
+        self.state, report = jax.block_until_ready(call())
+    for leaf in jax.tree.leaves(report):
+      leaf.copy_to_host_async()
+    self._dispatched += 1
+    return Segment(report=report, index=self._dispatched - 1)
 
-  def progress(self, since: dict[int, int] | None = None) -> dict[int, list[int]]:
-    """The tokens so far of every request that holds a slot (one fetch of the slots' token buffers): a
-    prefix of its final tokens ([] while its prompt is being prefilled). ``since`` {id: n}: only the tokens after
-    a request's first n (host work per call in the new tokens, not the completion's length)."""
-    if self.state is None:
-      return {}
-    since = since or {}
-    entry, tokens, num = host_values((self.state.entry, self.state.tokens, self.state.num_tokens))
+  def collect(self, segment: Segment) -> Update:
+    """Wait for ``segment``'s report (one fetch of arrays of their own: no device work queued behind the next
+    segment) and return what it says: every outstanding request's new tokens (host work in the new tokens)
+    and the requests that finished, their queue entries freed for new requests."""
+    if segment.index != self._collected:
+      raise JetSpecError(f"segment {segment.index} collected out of order (segment {self._collected} is next): "
+                         f"collect every dispatched segment once, in dispatch order")
+    self._collected += 1
+    if self.on_fetch is not None:
+      self.on_fetch(tuple(jax.tree.leaves(segment.report)))
+    r = host_values(segment.report)
     per = self.plan.slots // self.plan.groups
-    out = {}
-    for b, e in enumerate(entry):
-      rid = self._entries[b // per].get(int(e)) if e >= 0 else None
-      if rid is not None:
-        out[rid] = tokens[b, min(since.get(rid, 0), int(num[b])):num[b]].tolist()
-    return out
+    new: dict[int, list[int]] = {}
+
+    def take(g, e, seq, num, start, tail):
+      """The request at (g, e) if still outstanding as ``seq``: its new tokens appended, its id returned."""
+      rid = self._entries[g].get(int(e))
+      if rid is None or rid % SEQ_WRAP != seq:
+        return None
+      have = self._tokens[rid]
+      skip = len(have) - int(start)
+      if skip < 0:
+        raise JetSpecError(f"request {rid} is missing tokens {len(have)}..{int(start)}: a segment was not collected")
+      delta = tail[skip:int(num) - int(start)].tolist()
+      if delta:
+        have.extend(delta)
+        new[rid] = delta
+      return rid
+
+    for b in np.flatnonzero(r.slot_entry >= 0):
+      take(b // per, r.slot_entry[b], r.slot_seq[b], r.slot_num[b], r.slot_start[b], r.slot_tail[b])
+    finished = []
+    for g, e in zip(*np.nonzero(r.ended)):
+      rid = take(g, e, r.seq[g, e], r.num[g, e], r.start[g, e], r.tail[g, e])
+      if rid is None:
+        continue
+      del self._entries[g][int(e)]
+      finished.append(RequestResult(id=rid, tokens=self._tokens.pop(rid), steps=int(r.steps[g, e]),
+                                    depth_histogram=r.depth_hist[g, e], depth_visits=r.depth_visits[g, e],
+                                    rank_hits=r.rank_hits[g, e], rank_mass=r.rank_mass[g, e],
+                                    admitted=int(r.admitted[g, e]), first=int(r.first[g, e]),
+                                    finished=int(r.finished[g, e])))
+    finished.sort(key=lambda x: x.id)
+    return Update(finished=finished, new=new, round=int(r.round), busy=int(np.sum(r.busy)))
+
+  def step(self, rounds: int = 1 << 30) -> list[RequestResult]:
+    """Run at most ``rounds`` rounds (until nothing is pending) and wait for them (``dispatch`` then
+    ``collect``); returns the requests finished since the last step."""
+    return self.collect(self.dispatch(rounds)).finished
+
+  def progress(self) -> dict[int, list[int]]:
+    """The tokens so far of every outstanding request, as of the last collected segment (host memory: no
+    device work): a prefix of its final tokens."""
+    return {rid: list(t) for rid, t in self._tokens.items()}
 
   def cancel(self, ids: Sequence[int]) -> list[int]:
     """Stop the queued or running requests ``ids`` and free their slots and queue entries; they never
@@ -1018,8 +1127,9 @@ class Engine:
     cap = self.plan.queue * self.plan.groups                  # padded: one program for any number (entry Q: none)
     pad = lambda values, fill: np.asarray(values + [fill] * (cap - len(values)), np.int32)
     self.state = drop(self.state, pad([g for g, _, _ in hits], 0), pad([e for _, e, _ in hits], self.plan.queue))
-    for g, e, _ in hits:
+    for g, e, rid in hits:
       del self._entries[g][e]
+      del self._tokens[rid]
     return [rid for _, _, rid in hits]
 
   def run(self, requests: Sequence[Request]) -> EngineRun:
@@ -1027,11 +1137,11 @@ class Engine:
     self.start()
     t0 = time.perf_counter()
     ids = self.submit(requests)
-    results = {r.id: r for r in self.step()}
+    update = self.collect(self.dispatch())
     wall = time.perf_counter() - t0
-    rounds, busy = (int(np.sum(x)) for x in host_values((self.state.round, self.state.busy)))
-    return EngineRun(results=[results[i] for i in ids], rounds=rounds, busy_slot_rounds=busy, slots=self.plan.slots,
-                     wall_s=wall)
+    results = {r.id: r for r in update.finished}
+    return EngineRun(results=[results[i] for i in ids], rounds=update.round, busy_slot_rounds=update.busy,
+                     slots=self.plan.slots, wall_s=wall)
 
 
 def check_requests(requests: Sequence[Request], cfg: Qwen3Config, plan: EnginePlan | None = None) -> None:
