@@ -16,18 +16,18 @@ per mode (AR and the demo's head with ``best_nodes`` 16) and segment length.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import subprocess
 import sys
 import time
 
 import numpy as np
 
+from jetspec_jax import bench
+
 
 def main(argv=None) -> dict:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  p.add_argument("--workdir", default=os.path.expanduser("~/.cache/jetspec-jax"))
+  bench.add_model_args(p)
   p.add_argument("--requests", type=int, default=32)
   p.add_argument("--new", type=int, default=64)
   p.add_argument("--slots", type=int, default=8)
@@ -37,15 +37,15 @@ def main(argv=None) -> dict:
   args = p.parse_args(argv)
   import jax.numpy as jnp
 
-  from jetspec_jax import bench, convert
+  from jetspec_jax import convert
   from jetspec_jax.decode.engine import Engine, Request
   from jetspec_jax.decode.speculative import TreeConfig
   from jetspec_jax.serve import TextStream
   from jetspec_jax.tokenizer import load_tokenizer
-  cfg, params, _ = convert.load_target(os.path.join(args.workdir, "target_ckpt"), jnp.float32)
-  head_cfg, head_params = convert.load_head(os.path.join(args.workdir, "head_run", "head_hf"), jnp.float32,
-                                            target_cfg=cfg)
-  tokenizer = load_tokenizer(os.path.join(args.workdir, "tokenizer"))
+  target, head = bench.model_paths(args)
+  cfg, params, side = convert.load_target(target, jnp.float32)
+  head_cfg, head_params = convert.load_head(head, jnp.float32, target_cfg=cfg)
+  tokenizer = load_tokenizer(side)
   rng = np.random.default_rng(0)
   requests = [Request(rng.integers(1, 1000, int(rng.integers(8, 48))).tolist(), args.new)
               for _ in range(args.requests)]
@@ -100,8 +100,7 @@ def main(argv=None) -> dict:
       rows.append({"mode": mode, "rounds per segment": k, "sync tok/s": med["sync"], "overlap tok/s": med["overlap"],
                    "overlap / sync": med["overlap"] / med["sync"]})
       print(bench.format_table(rows[-1:]), file=sys.stderr, flush=True)
-  commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                          cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or None
+  commit = bench.commit_of(__file__)
   result = {"machine": bench.machine_info(), "commit": commit, "settings": vars(args), "rows": rows,
             "seconds": raw}
   print(bench.format_table(rows))

@@ -117,10 +117,7 @@ def table(result: dict) -> str:
 
 def main(argv=None) -> dict:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  p.add_argument("--workdir", default=os.path.expanduser("~/.cache/jetspec-jax"),
-                 help="the demo's artifacts (target_ckpt, head_run/head_hf)")
-  p.add_argument("--target", help="default: WORKDIR/target_ckpt")
-  p.add_argument("--head", help="default: WORKDIR/head_run/head_hf")
+  bench.add_model_args(p)
   p.add_argument("--requests", type=int, default=40, help="requests per rate")
   p.add_argument("--rates", type=float, nargs="+", default=[2.0, 8.0, 32.0], help="Poisson arrivals per second")
   p.add_argument("--max-output", type=int, default=32, help="reply lengths (max_tokens) are capped at this")
@@ -136,16 +133,14 @@ def main(argv=None) -> dict:
   p.add_argument("--out", default=None, help="JSON (default bench/results/serve_load.json)")
   p.add_argument("--plot", default=None, help="PNG of throughput and TPOT p50 against the rate")
   args = p.parse_args(argv)
-  args.target = args.target or os.path.join(args.workdir, "target_ckpt")
-  head = args.head or os.path.join(args.workdir, "head_run", "head_hf")
+  args.target, head = bench.model_paths(args)
   say = lambda s: print(s, file=sys.stderr, flush=True)
   tokenizer = load_tokenizer(read_target_config(args.target)[1])
   requests = load.sharegpt_requests(tokenizer, args.requests, max_output=args.max_output, max_prompt=args.max_prompt,
                                     context=args.max_prompt + 1024)
   say(f"{len(requests)} ShareGPT requests: prompt mean {np.mean([len(r.prompt) for r in requests]):.0f} tokens, "
       f"max_tokens mean {np.mean([r.max_new_tokens for r in requests]):.1f}")
-  commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                          cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or None
+  commit = bench.commit_of(__file__)
   result = {"machine": bench.machine_info(), "commit": commit, "target": os.path.abspath(args.target),
             "head": os.path.abspath(head),
             "settings": {k: v for k, v in vars(args).items() if k not in ("out", "plot")},

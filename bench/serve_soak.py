@@ -307,10 +307,7 @@ def table(result: dict) -> str:
 
 def main(argv=None) -> dict:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  p.add_argument("--workdir", default=os.path.expanduser("~/.cache/jetspec-jax"),
-                 help="the demo's artifacts (target_ckpt, head_run/head_hf)")
-  p.add_argument("--target", help="default: WORKDIR/target_ckpt")
-  p.add_argument("--head", help="default: WORKDIR/head_run/head_hf")
+  bench.add_model_args(p)
   p.add_argument("--ar", action="store_true", help="no head: autoregressive")
   p.add_argument("--requests", type=int, default=5000)
   p.add_argument("--overload", type=float, default=2.0, help="arrival rate over the measured capacity")
@@ -327,13 +324,12 @@ def main(argv=None) -> dict:
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--out", default=None, help="JSON (default bench/results/serve_soak.json)")
   args = p.parse_args(argv)
-  args.target = args.target or os.path.join(args.workdir, "target_ckpt")
-  args.head = None if args.ar else args.head or os.path.join(args.workdir, "head_run", "head_hf")
+  args.target, head = bench.model_paths(args)
+  args.head = None if args.ar else head
   say = lambda s: print(s, file=sys.stderr, flush=True)
   cfg, _ = read_target_config(args.target)
   pool = prompts(args.seed, args.prompts, cfg.vocab_size, args.max_prompt)
-  commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                          cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or None
+  commit = bench.commit_of(__file__)
   result = {"machine": bench.machine_info(), "commit": commit, "target": os.path.abspath(args.target),
             "head": args.head and os.path.abspath(args.head),
             "settings": {k: v for k, v in vars(args).items() if k != "out"}}

@@ -239,6 +239,29 @@ def plots(result: dict, out_dir: str) -> list[str]:
 RESULTS_DIR = Path("bench") / "results"          # under the working directory (a checkout's root)
 
 
+def add_model_args(parser) -> None:
+  """The flags naming the model a benchmark runs: --workdir (a ``jetspec-jax demo`` run's artifacts), --target
+  and --head (default: the workdir's); ``model_paths`` resolves them."""
+  parser.add_argument("--workdir", default=os.path.expanduser("~/.cache/jetspec-jax"),
+                      help="the demo's artifacts (target_ckpt, head_run/head_hf)")
+  parser.add_argument("--target", help="default: WORKDIR/target_ckpt")
+  parser.add_argument("--head", help="default: WORKDIR/head_run/head_hf")
+
+
+def model_paths(args) -> tuple[str, str]:
+  """(target, head) paths from ``add_model_args``' flags."""
+  return (args.target or os.path.join(args.workdir, "target_ckpt"),
+          args.head or os.path.join(args.workdir, "head_run", "head_hf"))
+
+
+def commit_of(path: str) -> str | None:
+  """The git commit of the checkout holding ``path`` (None outside one)."""
+  import subprocess
+  out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=os.path.dirname(
+      os.path.abspath(path)))
+  return out.stdout.strip() or None
+
+
 def machine_info() -> dict[str, Any]:
   """Where the numbers come from: host, CPU count, memory and library versions."""
   info: dict[str, Any] = {"python": platform.python_version(), "platform": platform.platform(),
