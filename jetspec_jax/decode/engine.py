@@ -782,7 +782,7 @@ def run_rounds(target_params, head_params, state: EngineState, max_rounds: jax.A
   body = functools.partial(engine_round, target_params, head_params, program=program)
   going = lambda s: (s.control[0] > 0) & (s.round - begin < max_rounds)     # int32 difference: wraps safely
   # One round body per (key length, with or without prefill lanes); the body changes rarely (a prompt
-  # arriving or completing, a request growing past a length, the longest one finishing): one switch then.
+  # arriving or completing, a request growing past a length, the longest one finishing): another loop then.
   variants = [(key_len, prefill) for key_len in plan.key_lengths() for prefill in (False, True)]
 
   def rounds_in(v):
@@ -792,7 +792,12 @@ def run_rounds(target_params, head_params, state: EngineState, max_rounds: jax.A
 
   def rounds(s):                       # flush (finish, admit), then rounds of one body until the next flush is due
     s = flush(s, plan, program.mesh)
-    return jax.lax.switch(s.control[1], [rounds_in(v) for v in range(len(variants))], s)
+    # Each body's loop in turn; only the one the control names runs rounds (a later one may follow it when the
+    # body changes with no flush due: a flush then would do nothing). No conditional carries the state: on
+    # XLA:CPU a switch between the loops cost a copy of the caches.
+    for v in range(len(variants)):
+      s = rounds_in(v)(s)
+    return s
   end = jax.lax.while_loop(going, rounds, with_control(state, plan))
   end = flush(end, plan, program.mesh)         # the call's finished requests in the queue, free slots admitted
   return end, _report(state, end, plan, window)
