@@ -109,7 +109,8 @@ def flops_row(compiled, analytic: float, devices: int, unknown_trips: int | None
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
   text = compiled.as_text()
-  hlo = hlo_dot_flops(text, unknown_trips) * devices
+  from jetspec_jax.decode.engine import ROUND_BODIES
+  hlo = hlo_dot_flops(text, unknown_trips, alternatives=ROUND_BODIES) * devices
   report = loop_report(text, per_iteration=unknown_trips is not None)
   return {"xla_tflop": float(cost.get("flops", 0.0)) * devices / 1e12 if cost else None, "hlo_tflop": hlo / 1e12,
           "analytic_tflop": analytic / 1e12, "hlo_vs_analytic": hlo / analytic,

@@ -404,11 +404,13 @@ def _computations(hlo: str) -> tuple[dict[str, list[tuple[str, str, str, str]]],
   return comps, entry
 
 
-def hlo_dot_flops(hlo: str, unknown_trips: int | None = None) -> float:
+def hlo_dot_flops(hlo: str, unknown_trips: int | None = None, alternatives: str | None = None) -> float:
   """FLOPs of every dot in a compiled HLO module (2 * output elements * contracted size), a while
   body counted ``known_trip_count`` times, a conditional as its costliest branch. XLA's
   ``cost_analysis`` counts every loop body once. A loop without a known trip count (a data-dependent
-  ``lax.while_loop``) is an error, or counts ``unknown_trips`` times when given (1: FLOPs per iteration)."""
+  ``lax.while_loop``) is an error, or counts ``unknown_trips`` times when given (1: FLOPs per iteration).
+  ``alternatives``: a named scope whose loops in one computation are alternatives, of which the costliest counts
+  (``engine.ROUND_BODIES``: one loop per round body, run in turn, only one iterating at a time)."""
   comps, entry = _computations(hlo)
   memo: dict[str, float] = {}
 
@@ -416,7 +418,7 @@ def hlo_dot_flops(hlo: str, unknown_trips: int | None = None) -> float:
     if name in memo:
       return memo[name]
     shapes = {n: s for n, s, _, _ in comps[name]}
-    total = 0.0
+    total, choices = 0.0, [0.0]
     for _, shape, op, rest in comps[name]:
       if op == "dot":
         lhs = _dims(shapes[re.match(r"%([\w.\-]+)", rest).group(1)])
@@ -428,15 +430,19 @@ def hlo_dot_flops(hlo: str, unknown_trips: int | None = None) -> float:
           raise ValueError("a while loop without a known trip count: its FLOPs are not static")
         trips = int(known.group(1)) if known else unknown_trips
         body, cond = re.search(r"body=%([\w.\-]+)", rest).group(1), re.search(r"condition=%([\w.\-]+)", rest).group(1)
-        total += trips * cost(body) + (trips + 1) * cost(cond)
+        loop = trips * cost(body) + (trips + 1) * cost(cond)
+        if alternatives and re.search(rf'op_name="[^"]*{re.escape(alternatives)}/while"', rest):
+          choices.append(loop)
+        else:
+          total += loop
       elif op == "conditional":
         branches = re.search(r"branch_computations=\{([^}]*)\}", rest)
         names = re.findall(r"%([\w.\-]+)", branches.group(1)) if branches else _CALLEE.findall(rest)
         total += max(cost(b) for b in names)
       else:
         total += sum(cost(c) for c in _CALLEE.findall(rest))
-    memo[name] = total
-    return total
+    memo[name] = total + max(choices)
+    return memo[name]
 
   return cost(entry)
 

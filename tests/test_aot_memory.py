@@ -18,7 +18,10 @@ def test_ci_sized_run_reports_positive_memory_within_the_budget(tmp_path, capsys
       ("tiny", "train"), ("qwen3_30b_a3b", "train"), ("qwen3_30b_a3b", "decode")]
   for r in rows:
     assert 0 < r["args_gb"] and 0 < r["temp_gb"] and 0 < r["peak_gb"] <= 80 - 10 and r["fits"], r
-    assert r["hlo_tflop"] >= r["xla_tflop"] > 0, r                 # loop bodies times their trip counts
+    # hlo_tflop: loop bodies times their trip counts, one round body per decode round (XLA's count adds every
+    # body once, the round bodies' loops included), so only the analytic count bounds it
+    assert r["hlo_tflop"] > 0 and r["xla_tflop"] > 0, r
+    assert r["program"].startswith("decode") or r["hlo_tflop"] >= r["xla_tflop"], r
     assert 0.5 < r["hlo_vs_analytic"] < 2, r
 
 

@@ -67,6 +67,7 @@ EMPTY, QUEUED, RUNNING, FINISHED = 0, 1, 2, 3     # queue entry status
 # fold_in) is its id modulo 2**31 (int32): past 2**31 requests one engine admits the wrapped ids first once.
 SEQ_WRAP = 1 << 31
 TRANSFER_GUARDS = ("allow", "log", "disallow", "log_explicit", "disallow_explicit")
+ROUND_BODIES = "jetspec_round_bodies"    # the named scope of the loops of round bodies (``bench.hlo_dot_flops``)
 
 
 @functools.cache
@@ -795,8 +796,9 @@ def run_rounds(target_params, head_params, state: EngineState, max_rounds: jax.A
     # Each body's loop in turn; only the one the control names runs rounds (a later one may follow it when the
     # body changes with no flush due: a flush then would do nothing). No conditional carries the state: on
     # XLA:CPU a switch between the loops cost a copy of the caches.
-    for v in range(len(variants)):
-      s = rounds_in(v)(s)
+    with jax.named_scope(ROUND_BODIES):
+      for v in range(len(variants)):
+        s = rounds_in(v)(s)
     return s
   end = jax.lax.while_loop(going, rounds, with_control(state, plan))
   end = flush(end, plan, program.mesh)         # the call's finished requests in the queue, free slots admitted
