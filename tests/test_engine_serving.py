@@ -8,6 +8,7 @@ import pytest
 
 from jetspec_jax.decode.engine import Engine, EnginePlan
 from jetspec_jax.decode.speculative import TreeConfig
+from jetspec_jax.errors import JetSpecError
 from greedy import assert_agree
 from test_engine import ar_reference, random_requests
 from test_speculative import CFG, head, target
@@ -99,7 +100,7 @@ def test_one_segment_in_flight_gives_every_token_once(mode):
                [ar_reference(tuple(requests[i].prompt), requests[i].max_new_tokens, ()) for i in kept],
                [final[i] for i in kept])
   first, second = e.dispatch(1), e.dispatch(1)
-  with pytest.raises(Exception, match="collected out of order"):
+  with pytest.raises(JetSpecError, match="collected out of order"):
     e.collect(second)
   e.collect(first)
   e.collect(second)
