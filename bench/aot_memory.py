@@ -210,7 +210,7 @@ def engine_program(target: Qwen3Config, head_cfg, plan, mesh, sampling: str = "g
   dtype = jnp.bfloat16
   shapes = jax.eval_shape(lambda: engine.init_state(plan, target, head_cfg, dtype, dtype))
   replicated = NamedSharding(mesh, P())
-  cache = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=named_sharding(qwen3.CACHE_AXES, x.shape, mesh))
+  cache = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=named_sharding(qwen3.POOL_AXES, x.shape, mesh))
   small = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated)
   state = jax.tree.map(small, shapes).replace(cache=jax.tree.map(cache, shapes.cache),
                                               draft_cache=jax.tree.map(cache, shapes.draft_cache))

@@ -240,7 +240,7 @@ def test_the_round_body_follows_what_the_slots_need():
   engine = Engine(CFG, target(), plan, eos_ids=())
   lengths = plan.key_lengths()
   ids = engine.submit([Request([1] * 40, 150), Request([2] * 3, 4)])
-  variant = lambda: divmod(int(with_control(engine.state, plan).control[1]), 2)      # (key bucket, prefilling)
+  variant = lambda: divmod(int(with_control(engine.state, engine.program).control[1]), 2)   # (key bucket, prefilling)
   engine.step(1)                                            # admits both; the 40-token prompt takes both lanes
   assert variant() == (next(i for i, n in enumerate(lengths) if n >= 40), 1)   # lanes reach the prompt's end
   done = engine.step(2)

@@ -111,10 +111,10 @@ def check_distribution(tokens: np.ndarray, temperature, top_k, top_p, label=""):
 # Drafters and an engine runner that keeps per-request results
 
 
-def target_step(params, cache, tok, pos):
+def target_step(params, cache, tok, pos, table=None):
   batch = tok.shape[0]
   logits, cache, _ = hf_fixtures.target_forward(params, CFG, tok[:, None], pos[:, None], cache, pos,
-                                   jnp.ones((batch, 1, 1), bool))
+                                                jnp.ones((batch, 1, 1), bool), table=table)
   return logits[:, 0], cache
 
 
@@ -126,7 +126,7 @@ def mixed_drafter(variants, temperature, top_k, top_p):
 
     def chain_step(carry, d):
       cache, tok, pos = carry
-      logits, cache = target_step(target_params, cache, tok, pos)
+      logits, cache = target_step(target_params, cache, tok, pos, b.table)
       lp = sampling.process_logits(logits, temperature, top_k, top_p)
       nxt = sampling.gumbel_top_k(lp, noise[:, d], 1)[:, 0]                 # what the tree will sample
       return (cache, nxt, pos + 1), logits

@@ -9,6 +9,7 @@ import pytest
 
 import hf_fixtures
 from greedy import assert_agree
+from jetspec_jax import pages
 from jetspec_jax.config import Qwen3Config
 from jetspec_jax.decode import reference
 from jetspec_jax.decode.engine import Engine, Request, acceptance, generate
@@ -96,7 +97,8 @@ def _greedy_continuation(target_params, view, depth):
 
   def step(carry, _):
     cache, tok, pos = carry
-    logits, cache, _ = hf_fixtures.target_forward(target_params, CFG, tok[:, None], pos[:, None], cache, pos, one)
+    logits, cache, _ = hf_fixtures.target_forward(target_params, CFG, tok[:, None], pos[:, None], cache, pos, one,
+                                                  table=b.table)
     nxt = jnp.argmax(logits[:, 0], -1).astype(jnp.int32)
     return (cache, nxt, pos + 1), nxt
 
@@ -159,25 +161,45 @@ def check_slots(engine):
   the slot's sequence (its prompt, then its tokens but the newest)."""
   s = jax.device_get(engine.state)
   plan = engine.plan
-  width = s.cache.max_len
+  width = plan.max_pages(engine.head_cfg) * plan.page_rows
+  check_pages(s, plan)
   seqs = np.zeros((plan.slots, width), np.int32)
   for b in range(plan.slots):
-    n, p, m = int(s.prefix_len[b]), int(s.prompt_len[b]), int(s.num_tokens[b])
+    n, fill, m = int(s.prefix_len[b]), int(s.prompt_len[b]), int(s.num_tokens[b])
     if s.entry[b] < 0:
       assert n == 0, b
       continue
-    if n < p:
-      assert m == 0, b
+    g = b // (plan.slots // plan.groups)
+    p = int(s.queue.prompt_len[g, s.entry[b]])
+    if n < fill:                                       # prefilling: a new request, or a resumed one's tokens too
+      assert m == 0 or fill == p + m - 1, b
     else:
       assert n == p + m - 1 and m >= 1 and n + plan.nodes + 1 <= width, b
-    seq = list(s.queue.prompt[b // (plan.slots // plan.groups), s.entry[b], :p]) + list(s.tokens[b, :max(m - 1, 0)])
+    seq = list(s.queue.prompt[g, s.entry[b], :p]) + list(s.tokens[b, :max(m - 1, 0)])
     seqs[b, :len(seq)] = seq
   cache, draft = jax.device_get(_fresh_rows(engine.params, engine.head_params, jnp.asarray(seqs), hcfg=engine.head_cfg))
-  got = list(s.cache.k + s.cache.v) + ([] if draft is None else list(s.draft_cache.k + s.draft_cache.v))
+  view = lambda pool: np.asarray(pages.gather(jnp.asarray(pool), jnp.asarray(s.pages.table), width))
+  got = [view(x) for x in s.cache.k + s.cache.v + (() if draft is None else s.draft_cache.k + s.draft_cache.v)]
   want = list(cache.k + cache.v) + ([] if draft is None else [k for k, _ in draft] + [v for _, v in draft])
   for b, n in enumerate(s.prefix_len.tolist()):
     for x, y in zip(got, want):
       np.testing.assert_allclose(x[b, :, :n], y[b, :, :n], rtol=1e-4, atol=1e-4, err_msg=f"slot {b}")
+
+
+def check_pages(s, plan):
+  """The allocator's invariant (per group, the held pages and the free stack are its pages, each once) and each
+  held slot's pages cover its committed rows."""
+  g, per = plan.groups, plan.slots // plan.groups
+  pg = s.pages.free.shape[1]
+  for gi in range(g):
+    owned = [int(x) for b in range(gi * per, (gi + 1) * per) for x in s.pages.table[b, :s.pages.held[b]]]
+    assert sorted(owned + s.pages.free[gi, :s.pages.free_count[gi]].tolist()) == list(range(gi * pg, (gi + 1) * pg))
+  for b in range(plan.slots):
+    assert (s.pages.table[b, s.pages.held[b]:] == -1).all(), b
+    if s.entry[b] >= 0:
+      assert s.pages.held[b] * plan.page_rows >= s.prefix_len[b], b
+    else:
+      assert s.pages.held[b] == 0, b
 
 
 def run_stepwise(engine, requests):

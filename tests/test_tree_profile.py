@@ -349,7 +349,7 @@ def _noisy_drafter(target_params, head_params, view, *, cfg, head_cfg, tree_cfg,
   def step(carry, _):
     cache, tok, pos = carry
     target = qwen3.bind(cfg, target_params)
-    h, cache, _ = target.hidden(tok[:, None], pos[:, None], one, cache=cache, prefix_len=pos)
+    h, cache, _ = target.hidden(tok[:, None], pos[:, None], one, cache=cache, prefix_len=pos, table=view.table)
     logits = target.logits(h)
     nxt = jnp.argmax(logits[:, 0], -1).astype(jnp.int32)
     return (cache, nxt, pos + 1), nxt

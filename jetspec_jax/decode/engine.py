@@ -47,6 +47,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jetspec_jax import pages
 from jetspec_jax.attention import cache_rows
 from jetspec_jax.config import Qwen3Config
 from jetspec_jax.distributed import host_values
@@ -111,7 +112,12 @@ class EnginePlan:
   needs more (``run_rounds``): a round's attention costs what the longest live request needs, not the
   capacity, for one compiled round body per bucket. ``per_request_sampling``: each request's temperature,
   top_k and top_p are read from the state (one program for any mix, greedy requests included; every
-  sampled row pays a full-vocabulary sort); otherwise the engine's one setting is compiled in."""
+  sampled row pays a full-vocabulary sort); otherwise the engine's one setting is compiled in.
+
+  KV caches are paged (``jetspec_jax.pages``): a pool of ``pages`` pages of ``page_rows`` rows (split evenly over
+  the groups; None: every slot's capacity, ``slots * max_pages``, so nothing ever waits for pages) shared by the
+  target's and the head's caches through one page table; a slot holds the pages its rows need, at most
+  ``max_pages``."""
   slots: int
   rows: int
   lanes: int
@@ -123,6 +129,24 @@ class EnginePlan:
   tree: TreeConfig | None = None
   key_buckets: int = 1
   per_request_sampling: bool = False
+  page_rows: int = 16
+  pages: int | None = None
+
+  def max_pages(self, head_cfg: DraftConfig | None) -> int:
+    """Pages one slot can hold T: a full request and one round's scratch rows (``cache_lengths``)."""
+    return pages.pages_for(max(self.cache_lengths(head_cfg)), self.page_rows)
+
+  def pool_pages(self, head_cfg: DraftConfig | None) -> int:
+    """Pages in the pool, over all groups."""
+    return self.slots * self.max_pages(head_cfg) if self.pages is None else self.pages
+
+  def scratch_rows(self, head_cfg: DraftConfig | None) -> int:
+    """Rows a decoding slot writes past its committed ones in a round: its tree's nodes and the head's block."""
+    return self.nodes if head_cfg is None else max(self.nodes, head_cfg.block_size)
+
+  def request_pages(self, rows: int, head_cfg: DraftConfig | None) -> int:
+    """Pages a request of ``rows`` prompt plus new tokens can come to hold."""
+    return pages.pages_for(rows + self.scratch_rows(head_cfg), self.page_rows)
 
   @property
   def nodes(self) -> int:
@@ -172,6 +196,11 @@ class EnginePlan:
     if self.rows < self.slots:
       raise JetSpecError(f"{self.rows} rows for {self.slots} slots: every slot needs a row for its root, so use "
                          f"rows >= {self.slots}")
+    if self.page_rows % 8:
+      raise JetSpecError(f"page_rows {self.page_rows} is not a multiple of 8 (the Mosaic GPU kernel's TMA boxes start "
+                         f"at multiples of 8 rows)")
+    if self.pages is not None and (self.pages < g or self.pages % g):
+      raise JetSpecError(f"{self.pages} KV pages do not split evenly over {g} groups")
     if mesh is not None and g % mesh.shape["data"]:
       raise JetSpecError(f"{g} engine groups do not split over the mesh's data axis of {mesh.shape['data']}")
 
@@ -179,7 +208,8 @@ class EnginePlan:
 @flax.struct.dataclass
 class Queue:
   """Requests and their outputs per group g and entry q. QUEUED entries are admitted in order of their
-  sequence numbers; rounds are the engine's round counter."""
+  sequence numbers; rounds are the engine's round counter. A preempted request is QUEUED again with its tokens
+  and counts so far (``_requeue``) and resumes from them."""
   prompt: jax.Array        # [G, Q, T] int32
   prompt_len: jax.Array    # [G, Q]
   max_new: jax.Array       # [G, Q]
@@ -199,15 +229,17 @@ class Queue:
   admitted: jax.Array      # [G, Q] round it took a slot
   first: jax.Array         # [G, Q] round its first token was drawn
   finished: jax.Array      # [G, Q] round it finished
+  preempted: jax.Array     # [G, Q] times its slot was taken back for pages (its rows recomputed)
 
 
 @flax.struct.dataclass
 class EngineState:
-  """The loop state: the queue, B slots and the round counters (see the module docstring)."""
+  """The loop state: the queue, B slots, the caches' pages and the round counters (see the module docstring).
+  ``cache`` and ``draft_cache`` hold page pools [P, Hkv, R, Dh] per layer, read through ``pages.table``."""
   queue: Queue
   entry: jax.Array         # [B] queue entry of the slot's request (-1: free)
   seq: jax.Array           # [B] its sequence number (prefill lanes serve the oldest first)
-  prompt_len: jax.Array    # [B]
+  prompt_len: jax.Array    # [B] rows to prefill: the prompt (a resumed request's: and its tokens but the last)
   max_new: jax.Array       # [B]
   key: jax.Array           # [B, 2] uint32 key data
   temperature: jax.Array   # [B] the request's sampling parameters (read with ``plan.per_request_sampling``)
@@ -222,6 +254,8 @@ class EngineState:
   done: jax.Array          # [B] bool: its request finished this round (``flush`` hands it to the queue)
   cache: qwen3.KVCache
   draft_cache: qwen3.KVCache | None
+  pages: pages.Pages       # the pool's allocator and the slots' page table [B, T]
+  granted: jax.Array       # [B] bool: the slot holds the pages its next round writes (``with_control``)
   depth_hist: jax.Array    # [B, D+1]
   depth_visits: jax.Array  # [B, D] the request's acceptance-profile counts so far (``decode.profile``; read by
   rank_hits: jax.Array     # [B, D, W'] online calibration; W' = the tree's candidates)
@@ -237,7 +271,7 @@ def init_state(plan: EnginePlan, cfg: Qwen3Config, head_cfg: DraftConfig | None,
   g, q, b, m, t = plan.groups, plan.queue, plan.slots, plan.max_new_tokens, plan.max_prompt
   d = plan.depth
   w = 1 if plan.tree is None else plan.tree.num_candidates
-  target_len, draft_len = plan.cache_lengths(head_cfg)
+  pool = (plan.groups, plan.pool_pages(head_cfg) // plan.groups, plan.page_rows)
   zi = lambda *shape: jnp.zeros(shape, jnp.int32)
   zf = lambda *shape: jnp.zeros(shape, jnp.float32)
   queue = Queue(prompt=zi(g, q, t), prompt_len=zi(g, q), max_new=zi(g, q),
@@ -245,31 +279,39 @@ def init_state(plan: EnginePlan, cfg: Qwen3Config, head_cfg: DraftConfig | None,
                 top_p=zf(g, q) + 1, status=zi(g, q), seq=zi(g, q),
                 tokens=jnp.full((g, q, m), -1, jnp.int32), num_tokens=zi(g, q), steps=zi(g, q),
                 depth_hist=zi(g, q, d + 1), depth_visits=zi(g, q, d), rank_hits=zi(g, q, d, w),
-                rank_mass=zf(g, q, d, w), admitted=zi(g, q), first=zi(g, q), finished=zi(g, q))
-  draft_cache = None if head_cfg is None else draft_head.init_context_cache(head_cfg, b, draft_len, draft_dtype, mesh)
+                rank_mass=zf(g, q, d, w), admitted=zi(g, q), first=zi(g, q), finished=zi(g, q), preempted=zi(g, q))
+  draft_cache = None if head_cfg is None else draft_head.init_context_pool(head_cfg, *pool, draft_dtype, mesh)
   state = EngineState(queue=queue, entry=jnp.full((b,), -1, jnp.int32), seq=zi(b), prompt_len=zi(b), max_new=zi(b),
                       key=jnp.zeros((b,) + key_shape(), jnp.uint32), temperature=zf(b), top_k=zi(b), top_p=zf(b) + 1,
                       prefix_len=zi(b), last_token=zi(b),
                       tokens=jnp.full((b, m), -1, jnp.int32), num_tokens=zi(b), steps=zi(b), first=zi(b),
                       done=jnp.zeros((b,), bool),
-                      cache=qwen3.init_cache(cfg, b, target_len, cache_dtype, mesh), draft_cache=draft_cache,
+                      cache=qwen3.init_pool(cfg, *pool, cache_dtype, mesh), draft_cache=draft_cache,
+                      pages=empty_pages(plan, head_cfg), granted=jnp.zeros((b,), bool),
                       depth_hist=zi(b, d + 1), depth_visits=zi(b, d), rank_hits=zi(b, d, w), rank_mass=zf(b, d, w),
                       round=jnp.zeros((), jnp.int32), busy=zi(b),
                       control=jnp.zeros((3,), jnp.int32))
   return place(state, mesh)
 
 
+def empty_pages(plan: EnginePlan, head_cfg: DraftConfig | None) -> pages.Pages:
+  """The allocator of an empty engine: every page free."""
+  return pages.init_pages(plan.groups, plan.pool_pages(head_cfg) // plan.groups, plan.slots, plan.max_pages(head_cfg))
+
+
 @functools.partial(jax.jit, donate_argnames=("state",))
 def reset(state: EngineState) -> EngineState:
-  """``state`` emptied as ``init_state`` makes it (free slots, empty queues, counters 0), in place, its caches
-  kept as they are: no row past a slot's ``prefix_len`` is ever read, and a free slot's is 0."""
+  """``state`` emptied as ``init_state`` makes it (free slots, empty queues, every page free, counters 0), in
+  place, its caches kept as they are: no row past a slot's ``prefix_len`` is ever read, and a free slot's is 0."""
   caches = (state.cache, state.draft_cache)
-  fresh = jax.tree.map(jnp.zeros_like, state.replace(cache=None, draft_cache=None))
+  p = state.pages
+  empty = pages.init_pages(p.groups, p.pages_per_group, p.table.shape[0], p.table.shape[1])
+  fresh = jax.tree.map(jnp.zeros_like, state.replace(cache=None, draft_cache=None, pages=None))
   neg = lambda x: jnp.full_like(x, -1)
   one = lambda x: jnp.ones_like(x)
   fresh = fresh.replace(queue=fresh.queue.replace(top_p=one(fresh.queue.top_p), tokens=neg(fresh.queue.tokens)),
                         entry=neg(fresh.entry), top_p=one(fresh.top_p), tokens=neg(fresh.tokens))
-  return fresh.replace(cache=caches[0], draft_cache=caches[1])
+  return fresh.replace(cache=caches[0], draft_cache=caches[1], pages=empty)
 
 
 def place(state: EngineState, mesh=None) -> EngineState:
@@ -282,8 +324,9 @@ def place(state: EngineState, mesh=None) -> EngineState:
   queue = jax.tree.map(put, state.queue)
   small = {f: put(getattr(state, f)) for f in ("entry", "seq", "prompt_len", "max_new", "key", "temperature", "top_k",
                                                "top_p", "prefix_len", "last_token", "tokens", "num_tokens", "steps", "first", "done",
-                                               "depth_hist", "depth_visits", "rank_hits", "rank_mass", "busy")}
-  return state.replace(queue=queue, **small)
+                                               "depth_hist", "depth_visits", "rank_hits", "rank_mass", "busy",
+                                               "granted")}
+  return state.replace(queue=queue, pages=jax.tree.map(put, state.pages), **small)
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))
@@ -302,25 +345,32 @@ def enqueue(state: EngineState, group: jax.Array, entry: jax.Array, seq: jax.Arr
   queue = q.replace(prompt=at(q.prompt, prompt), prompt_len=at(q.prompt_len, prompt_len),
                     max_new=at(q.max_new, max_new), key=at(q.key, key), temperature=at(q.temperature, temperature),
                     top_k=at(q.top_k, top_k), top_p=at(q.top_p, top_p), status=at(q.status, QUEUED),
-                    seq=at(q.seq, seq), tokens=at(q.tokens, -1), num_tokens=at(q.num_tokens, 0))
+                    seq=at(q.seq, seq), tokens=at(q.tokens, -1), num_tokens=at(q.num_tokens, 0),
+                    steps=at(q.steps, 0), depth_hist=at(q.depth_hist, 0), depth_visits=at(q.depth_visits, 0),
+                    rank_hits=at(q.rank_hits, 0), rank_mass=at(q.rank_mass, 0), first=at(q.first, 0),
+                    preempted=at(q.preempted, 0))
   return state.replace(queue=queue)
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))
 def drop(state: EngineState, group: jax.Array, entry: jax.Array) -> EngineState:
   """Cancel the requests at (group, entry) [R]: their queue entries EMPTY (a QUEUED one is never admitted)
-  and the slots holding them free (``_admit`` resets a slot's rows when it takes the next request)."""
+  and the slots holding them free, their pages returned (``_admit`` resets a slot's rows when it takes the next
+  request)."""
   per = state.entry.shape[0] // state.queue.status.shape[0]
   slot_group = jnp.arange(state.entry.shape[0]) // per
   held = jnp.any((state.entry[:, None] == entry[None, :]) & (slot_group[:, None] == group[None, :]), axis=1)
+  held = held & (state.entry >= 0)
   status = state.queue.status.at[group, entry].set(EMPTY, mode="drop")       # entry Q: padding
   return state.replace(queue=state.queue.replace(status=status), entry=jnp.where(held, -1, state.entry),
-                       prefix_len=jnp.where(held, 0, state.prefix_len), done=state.done & ~held)
+                       prefix_len=jnp.where(held, 0, state.prefix_len), done=state.done & ~held,
+                       pages=pages.release(state.pages, held), granted=state.granted & ~held)
 
 
 def _admit(s: EngineState, plan: EnginePlan, mesh=None) -> EngineState:
   """Give each free slot the queued request of its group with the lowest sequence number (per group,
-  vmapped: a group's slots read only its own queue)."""
+  vmapped: a group's slots read only its own queue). A resumed request brings its tokens and counts so far and
+  prefills its prompt and its tokens but the last."""
   g, per = plan.groups, plan.slots // plan.groups
   lowest = jnp.iinfo(jnp.int32).min
 
@@ -333,23 +383,24 @@ def _admit(s: EngineState, plan: EnginePlan, mesh=None) -> EngineState:
     admit = ok & (best[rank] > lowest)
     new_entry = waiting[rank]
     dropped = jnp.where(admit, new_entry, plan.queue)                     # out of range: not written
+    first_time = (q.num_tokens == 0) & (q.preempted == 0)
     q = q.replace(status=q.status.at[dropped].set(RUNNING, mode="drop"),
-                  admitted=q.admitted.at[dropped].set(s.round, mode="drop"))
-    return q, admit, new_entry, (q.prompt_len[new_entry], q.max_new[new_entry], q.key[new_entry], q.seq[new_entry],
-                                 q.temperature[new_entry], q.top_k[new_entry], q.top_p[new_entry])
+                  admitted=q.admitted.at[jnp.where(first_time[new_entry], dropped, plan.queue)].set(s.round,
+                                                                                                   mode="drop"))
+    fields = ("prompt_len", "max_new", "key", "seq", "temperature", "top_k", "top_p", "tokens", "num_tokens", "steps",
+              "first", "depth_hist", "depth_visits", "rank_hits", "rank_mass")
+    return q, admit, new_entry, {f: getattr(q, f)[new_entry] for f in fields}
 
-  queue, admit, new_entry, (plen, max_new, key, seq, temp, top_k, top_p) = per_data_shard(jax.vmap(group), mesh)(
-      s.queue, s.entry.reshape(g, per))
+  queue, admit, new_entry, got = per_data_shard(jax.vmap(group), mesh)(s.queue, s.entry.reshape(g, per))
   fresh = admit.reshape(-1)
   pick = lambda new, old: jnp.where(fresh.reshape((-1,) + (1,) * (old.ndim - 1)), new.reshape(old.shape), old)
-  zero = lambda x: pick(jnp.zeros_like(x), x)
-  return s.replace(queue=queue, entry=pick(new_entry, s.entry), seq=pick(seq, s.seq), prompt_len=pick(plen, s.prompt_len),
-                   max_new=pick(max_new, s.max_new), key=pick(key, s.key), temperature=pick(temp, s.temperature),
-                   top_k=pick(top_k, s.top_k), top_p=pick(top_p, s.top_p),
-                   prefix_len=zero(s.prefix_len), num_tokens=zero(s.num_tokens), steps=zero(s.steps),
-                   done=s.done & ~fresh,
-                   tokens=pick(jnp.full_like(s.tokens, -1), s.tokens), depth_hist=zero(s.depth_hist),
-                   depth_visits=zero(s.depth_visits), rank_hits=zero(s.rank_hits), rank_mass=zero(s.rank_mass))
+  got = {f: pick(v, getattr(s, f)) for f, v in got.items()}
+  got["prompt_len"] = got["prompt_len"] + jnp.where(fresh, jnp.maximum(got["num_tokens"] - 1, 0), 0)
+  got["last_token"] = pick(jnp.take_along_axis(got["tokens"], jnp.maximum(got["num_tokens"] - 1, 0)[:, None],
+                                               axis=1)[:, 0], s.last_token)
+  return s.replace(queue=queue, entry=pick(new_entry, s.entry), prefix_len=pick(jnp.zeros_like(s.prefix_len),
+                                                                                 s.prefix_len),
+                   done=s.done & ~fresh, **got)
 
 
 def _lanes(s: EngineState, plan: EnginePlan, prefilling: jax.Array, mesh):
@@ -370,8 +421,13 @@ def _lanes(s: EngineState, plan: EnginePlan, prefilling: jax.Array, mesh):
     i = jnp.minimum(i, per - 1)
     slot = jnp.where(live, order[i], per).astype(jnp.int32)
     start = jnp.where(live, prefix[order[i]] + (j - (end[i] - need[i])) * c, 0).astype(jnp.int32)
-    cols = jnp.clip(start[:, None] + jnp.arange(c)[None, :], 0, plan.max_prompt - 1)
-    return slot, start, q.prompt[jnp.maximum(entry[order[i]], 0)[:, None], cols]
+    cols = start[:, None] + jnp.arange(c)[None, :]
+    e = jnp.maximum(entry[order[i]], 0)[:, None]
+    # The prompt, then (a resumed request) its tokens.
+    plen = q.prompt_len[e]
+    ids = jnp.where(cols < plen, q.prompt[e, jnp.clip(cols, 0, plan.max_prompt - 1)],
+                    q.tokens[e, jnp.clip(cols - plen, 0, plan.max_new_tokens - 1)])
+    return slot, start, ids
 
   by_group = lambda x: x.reshape(g, per)
   slot, start, rows = per_data_shard(jax.vmap(group), mesh)(s.queue, by_group(prefilling), by_group(s.seq),
@@ -380,27 +436,51 @@ def _lanes(s: EngineState, plan: EnginePlan, prefilling: jax.Array, mesh):
   return slot, start, rows.reshape(plan.lanes, c)
 
 
-def flush(s: EngineState, plan: EnginePlan, mesh=None) -> EngineState:
-  """Between rounds: every done slot's request (tokens, counts, rounds) goes to its queue entry (FINISHED) and
-  the slot is freed (prefix_len 0: attention reads nothing of it), then free slots are admitted (``_admit``) and
-  the control recomputed. Rounds run between flushes without touching the queue."""
+def _to_queue(s: EngineState, plan: EnginePlan, slots: jax.Array, status: int, mesh=None) -> EngineState:
+  """The requests of ``slots`` [B] bool back to their queue entries with their tokens and counts (``FINISHED``: done
+  this round; ``QUEUED``: preempted, to resume from them) and the slots freed (prefix_len 0: attention reads nothing
+  of them), their pages returned."""
   g, per = plan.groups, plan.slots // plan.groups
   by_group = lambda x: x.reshape((g, per) + x.shape[1:])
   values = dict(tokens=s.tokens, num_tokens=s.num_tokens, steps=s.steps, first=s.first, depth_hist=s.depth_hist,
                 depth_visits=s.depth_visits, rank_hits=s.rank_hits, rank_mass=s.rank_mass)
+  recomputed = (s.prefix_len > 0).astype(jnp.int32)
 
-  def group(q: Queue, fin, vals):
-    put = lambda a, v: a.at[fin].set(v, mode="drop")
-    return q.replace(status=put(q.status, FINISHED), finished=put(q.finished, s.round - 1),
-                     **{k: put(getattr(q, k), v) for k, v in vals.items()})
+  def group(q: Queue, at, vals, again):
+    put = lambda a, v: a.at[at].set(v, mode="drop")
+    if status == FINISHED:
+      q = q.replace(finished=put(q.finished, s.round - 1))
+    else:
+      q = q.replace(preempted=q.preempted.at[at].add(again, mode="drop"))
+    return q.replace(status=put(q.status, status), **{k: put(getattr(q, k), v) for k, v in vals.items()})
 
-  fin = by_group(jnp.where(s.done, s.entry, plan.queue))
-  queue = jax.vmap(group)(s.queue, fin, {k: by_group(v) for k, v in values.items()})
+  at = by_group(jnp.where(slots, s.entry, plan.queue))
+  queue = jax.vmap(group)(s.queue, at, {k: by_group(v) for k, v in values.items()}, by_group(recomputed))
   # A freed slot's counts go too: online calibration over the batch reads the requests holding slots.
-  free = lambda x: jnp.where(s.done.reshape((-1,) + (1,) * (x.ndim - 1)), jnp.zeros_like(x), x)
-  s = s.replace(queue=queue, entry=jnp.where(s.done, -1, s.entry), prefix_len=free(s.prefix_len),
-                rank_hits=free(s.rank_hits), rank_mass=free(s.rank_mass), done=jnp.zeros_like(s.done))
-  return with_control(_admit(s, plan, mesh), plan)
+  free = lambda x: jnp.where(slots.reshape((-1,) + (1,) * (x.ndim - 1)), jnp.zeros_like(x), x)
+  return s.replace(queue=queue, entry=jnp.where(slots, -1, s.entry), prefix_len=free(s.prefix_len),
+                   rank_hits=free(s.rank_hits), rank_mass=free(s.rank_mass), done=s.done & ~slots,
+                   pages=per_data_shard(pages.release, mesh)(s.pages, slots), granted=s.granted & ~slots)
+
+
+def flush(s: EngineState, program: RoundProgram) -> EngineState:
+  """Between rounds: every done slot's request (tokens, counts, rounds) goes to its queue entry (FINISHED) and
+  the slot is freed, then free slots are admitted (``_admit``), the next round's pages granted (``with_control``)
+  and, where pages ran out, slots handed back to the queue (``QUEUED``): those refused that hold no rows yet (the
+  request waits, in order) and, in a group where a slot holding rows was refused, its newest slot (preemption:
+  its pages go to older requests; it resumes later from its tokens). Rounds run between flushes without
+  touching the queue."""
+  plan, mesh = program.plan, program.mesh
+  g, per = plan.groups, plan.slots // plan.groups
+  s = _to_queue(s, plan, s.done, FINISHED, mesh)
+  s = with_control(_admit(s, plan, mesh), program)
+  held = s.entry >= 0
+  refused = held & ~s.granted
+  stuck = jnp.any((refused & (s.prefix_len > 0)).reshape(g, per), axis=1)                  # [G]
+  newest = jnp.argmax(jnp.where(held & (s.pages.held > 0), s.seq, -1).reshape(g, per), axis=1)
+  victim = (jax.nn.one_hot(newest, per, dtype=bool) & stuck[:, None]).reshape(-1) & held
+  requeue = (refused & (s.prefix_len == 0)) | victim
+  return with_control(_to_queue(s, plan, requeue, QUEUED, mesh), program)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -491,8 +571,9 @@ class Accepted:
 
 def _slots(s: EngineState, p: RoundProgram) -> Slots:
   held = s.entry >= 0
-  prefilling = held & (s.prefix_len < s.prompt_len)
-  decoding = held & ~prefilling
+  runs = held & s.granted                     # a slot refused pages sits the round out (``flush`` settles it)
+  prefilling = runs & (s.prefix_len < s.prompt_len)
+  decoding = runs & ~prefilling
   keys = jax.random.wrap_key_data(s.key)
   return Slots(held=held, prefilling=prefilling, decoding=decoding, keys=keys,
                round_keys=sampling.step_keys(keys, s.steps + 1), settings=p.regime.slot_settings(s, decoding))
@@ -507,7 +588,7 @@ def _offer(target_params, head_params, s: EngineState, slots: Slots, p: RoundPro
                  priority=jnp.where(slots.decoding, budget.ROOT, -jnp.inf)[:, None])
   with jax.named_scope("jetspec_draft"):
     view = DraftView(cache=s.cache, draft_cache=s.draft_cache, last_token=s.last_token, prefix_len=s.prefix_len,
-                     keys=slots.round_keys)
+                     keys=slots.round_keys, table=s.pages.table)
     depth_logits, draft_cache = p.drafter(target_params, head_params, view, cfg=p.cfg, head_cfg=p.head_cfg,
                                           tree_cfg=tree_cfg, attn_impl=p.attn_impl, mesh=p.mesh)
   with jax.named_scope("jetspec_tree"):
@@ -582,7 +663,7 @@ def _verify(target_params, s: EngineState, slots: Slots, batch: Batch, p: RoundP
     # Slots not decoding attend from row 0 (their decode rows are discarded): nothing of them is read.
     h, cache, taps = target.hidden(batch.tokens, batch.positions, batch.mask, cache=s.cache,
                                    prefix_len=jnp.where(slots.decoding, s.prefix_len, 0), tap_layers=taps_at,
-                                   attn_impl=p.attn_impl, mesh=p.mesh, packed=batch.packed)
+                                   attn_impl=p.attn_impl, mesh=p.mesh, packed=batch.packed, table=s.pages.table)
     h_dec, h_lane = batch.packed.split(h)
     lane_logits = None
     if batch.packed.num_lanes:
@@ -647,7 +728,8 @@ def _commit(head_params, s: EngineState, slots: Slots, offer: Offer, batch: Batc
     last_token = jnp.where(decoding, accepted.correction, s.last_token)
     first_round = s.first
     if packed.num_lanes:                      # prompts completed this round: their first tokens
-      completes = accepted.completes
+      # (a resumed request's prefill ends at its tokens but the last: its ``last_token`` since admission)
+      completes = accepted.completes & (s.num_tokens == 0)
       out, num, done_first, _ = verify.commit_tokens(out, num, ~completes, accepted.first_token[:, None],
                                                      jnp.ones((b,), jnp.int32), p.eos_ids, s.max_new)
       finished = finished | (completes & done_first)
@@ -662,15 +744,17 @@ def _commit(head_params, s: EngineState, slots: Slots, offer: Offer, batch: Batc
     else:
       acc = accepted.acceptance
       head = draft_head.bind(p.head_cfg, head_params)
-      cache = verify.compact_cache(cache, s.prefix_len, jnp.where(decoding[:, None], acc.path, jnp.arange(d + 1)))
+      table = s.pages.table
+      cache = verify.compact_cache(cache, s.prefix_len, jnp.where(decoding[:, None], acc.path, jnp.arange(d + 1)),
+                                   table)
       taps_dec, taps_lane = packed.split(verified.taps)
       path_taps = jnp.take_along_axis(packed.scatter(taps_dec), acc.path[:, :, None], axis=1)     # [B, D+1, F]
-      draft_cache = head.append_context(offer.draft_cache, path_taps, s.prefix_len)
+      draft_cache = head.append_context(offer.draft_cache, path_taps, s.prefix_len, table)
       if packed.num_lanes:                    # the lanes' context rows, each written in place at its own row
         lane_ctx = head.context_kv(taps_lane, batch.lane_positions)      # per layer [G * L, Hkv, C, Dh]
         seq, at = packed.lane_cache_rows()
         rows_of = lambda x: x.transpose(0, 2, 1, 3).reshape((plan.groups, -1) + x.shape[1:2] + x.shape[3:])
-        write = lambda c_, rows: packed.put_rows(c_, rows_of(rows), seq, at)
+        write = lambda c_, rows: packed.put_rows(c_, rows_of(rows), seq, at, table)
         draft_cache = qwen3.KVCache(k=tuple(write(c_, k) for c_, (k, _) in zip(draft_cache.k, lane_ctx)),
                                     v=tuple(write(c_, v) for c_, (_, v) in zip(draft_cache.v, lane_ctx)))
       depth_hist = depth_hist + jax.nn.one_hot(acc.accepted, d + 1, dtype=jnp.int32) * decoding[:, None]
@@ -696,36 +780,59 @@ def engine_round(target_params, head_params, s: EngineState, *, program: RoundPr
   return _commit(head_params, s, slots, offer, batch, verified, accepted, program)
 
 
-def with_control(s: EngineState, plan: EnginePlan) -> EngineState:
-  """The state with ``control`` = (pending: a slot holds a request or one is queued; the next round's body,
-  2 * key bucket + prefilling: the shortest of ``plan.key_lengths()`` no held slot's rows reach past, and whether
-  a slot is prefilling; flush due: a slot is done, or free while its group has a queued request). The values come
-  from ONE max over the slots (the only reduction across data shards of a round)."""
+def with_control(s: EngineState, program: RoundProgram) -> EngineState:
+  """The state with the next round's pages granted and ``control`` = (pending: a slot holds a request or one is
+  queued; the next round's body, 2 * key bucket + prefilling: the shortest of ``plan.key_lengths()`` no held
+  slot's rows reach past, and whether a slot is prefilling; flush due: a slot is done, a slot was refused pages, or
+  a slot is free while its group's oldest queued request would get pages). Pages: each held slot is given those
+  its rows up to the end of its next round need (its committed rows, or a prefilling slot's whole prompt, plus
+  ``scratch_rows``), oldest request first (``pages.grow``; ``granted``). The control's values come from ONE max over the slots (the only
+  reduction across data shards of a round)."""
+  plan = program.plan
   g, per = plan.groups, plan.slots // plan.groups
   held = s.entry >= 0
   prefilling = held & (s.prefix_len < s.prompt_len)
-  queued = jnp.repeat(jnp.any(s.queue.status == QUEUED, axis=1), per)              # [B]: its group has a queue
-  lane_reach = jnp.minimum(s.prompt_len, s.prefix_len + plan.prefill_budget // g) + plan.prefill_rows
+  lane_rows = jnp.minimum(s.prompt_len, s.prefix_len + plan.prefill_budget // g)
+  scratch = plan.scratch_rows(program.head_cfg)
+  active = held & ~s.done                              # a done slot writes nothing more (``flush`` frees it)
+  # A prefilling slot holds pages for its whole prefill and first round from the start: it never waits mid-prompt.
+  rows = jnp.where(active, jnp.maximum(s.prefix_len, s.prompt_len) + scratch, 0)
+  grow = functools.partial(pages.grow, page_rows=plan.page_rows)
+  allocator, granted = per_data_shard(grow, program.mesh)(s.pages, rows, s.seq)
+  granted = granted | ~held
+  # Each group's oldest queued request: would the pages of its whole prefill be free now?
+  q = s.queue
+  waiting = q.status == QUEUED
+  oldest = jnp.argmin(jnp.where(waiting, q.seq, jnp.iinfo(jnp.int32).max), axis=1)
+  first = lambda x: jnp.take_along_axis(x, oldest[:, None], axis=1)[:, 0]
+  fill = first(q.prompt_len) + jnp.maximum(first(q.num_tokens) - 1, 0)
+  first_pages = pages.pages_for(fill + scratch, plan.page_rows)
+  admissible = jnp.repeat(jnp.any(waiting, axis=1) & (first_pages <= allocator.free_count), per)     # [B]
+  lane_reach = lane_rows + plan.prefill_rows
   # Every slot's decode rows sit somewhere in the [B, W] layout (row 0 onwards when not decoding).
   needed = jnp.where(held, jnp.where(prefilling, lane_reach, s.prefix_len + plan.nodes), 0)
-  due = s.done | (~held & queued)
+  queued = jnp.repeat(jnp.any(waiting, axis=1), per)
+  due = s.done | (~held & admissible) | ~granted
   pending, needed, prefill, due = jnp.max(jnp.stack([held | queued, needed, prefilling, due], axis=1).astype(jnp.int32),
                                           axis=0)
   lengths = plan.key_lengths()
   bucket = jnp.minimum(jnp.sum(jnp.asarray(lengths) < jnp.maximum(needed, plan.nodes)), len(lengths) - 1)
-  return s.replace(control=jnp.stack([pending, 2 * bucket + prefill, due]).astype(jnp.int32))
+  return s.replace(pages=allocator, granted=granted,
+                   control=jnp.stack([pending, 2 * bucket + prefill, due]).astype(jnp.int32))
 
 
 @flax.struct.dataclass
 class Report:
   """What one ``run_rounds`` call hands the host, in buffers of its own: the state is donated to the next call,
   a report is not, so the host reads it while the next call runs. W: the token window (``token_window``: at
-  least the tokens one request can commit in the call). Per queue entry [G, Q]: ``ended`` (FINISHED), ``seq``,
-  ``num`` tokens, ``start`` (the tokens it had when the call began: 0 unless a slot held it then), ``tail``
-  [G, Q, W] (its tokens from ``start`` on) and its counts (``RequestResult``); per slot [B], for the request it
-  holds at the end (``slot_entry`` -1: none): the same token fields; ``round``: the engine's round counter at
-  the end (int32, wrapping), ``busy`` [B]: rounds each slot held a request in the call."""
+  least the tokens one request can commit in the call). Per queue entry [G, Q]: ``ended`` (FINISHED), ``queued``
+  (QUEUED: waiting, or preempted with its tokens so far), ``seq``, ``num`` tokens, ``start`` (the tokens it had
+  when the call began), ``tail`` [G, Q, W] (its tokens from ``start`` on) and its counts (``RequestResult``); per
+  slot [B], for the request it holds at the end (``slot_entry`` -1: none): the same token fields; ``round``: the
+  engine's round counter at the end (int32, wrapping), ``busy`` [B]: rounds each slot held a request in the call,
+  ``free_pages`` [G]: each group's free pages at the end."""
   ended: jax.Array
+  queued: jax.Array
   seq: jax.Array
   num: jax.Array
   start: jax.Array
@@ -738,6 +845,7 @@ class Report:
   admitted: jax.Array
   first: jax.Array
   finished: jax.Array
+  preempted: jax.Array
   slot_entry: jax.Array
   slot_seq: jax.Array
   slot_num: jax.Array
@@ -745,6 +853,7 @@ class Report:
   slot_tail: jax.Array
   round: jax.Array
   busy: jax.Array
+  free_pages: jax.Array
 
 
 def token_window(plan: EnginePlan, rounds: int) -> int:
@@ -757,19 +866,20 @@ def token_window(plan: EnginePlan, rounds: int) -> int:
 def _report(begin: EngineState, s: EngineState, plan: EnginePlan, window: int) -> Report:
   """The report of a call that began at ``begin`` and ended at ``s`` (``Report``)."""
   g, per, q = plan.groups, plan.slots // plan.groups, s.queue
-  held = begin.entry >= 0
-  same = held & (s.entry == begin.entry) & (s.seq == begin.seq)
-  slot_start = jnp.where(same, begin.num_tokens, 0)
   cols = lambda start: jnp.clip(start[..., None] + jnp.arange(window), 0, plan.max_new_tokens - 1)
-  # Per group: the entries its slots held when the call began start at their token counts then.
-  start = jax.vmap(lambda e, n: jnp.zeros((plan.queue,), jnp.int32).at[jnp.where(e >= 0, e, plan.queue)].set(
-      n, mode="drop"))(begin.entry.reshape(g, per), begin.num_tokens.reshape(g, per))
-  return Report(ended=q.status == FINISHED, seq=q.seq, num=q.num_tokens, start=start,
+  # Per entry, its tokens when the call began: the queue's count (waiting or preempted: its tokens so far), or the
+  # slot's that held it then.
+  start = jax.vmap(lambda n, e, m: n.at[jnp.where(e >= 0, e, plan.queue)].set(m, mode="drop"))(
+      begin.queue.num_tokens * (begin.queue.status == QUEUED), begin.entry.reshape(g, per),
+      begin.num_tokens.reshape(g, per))
+  slot_start = jax.vmap(lambda st, e: st[jnp.maximum(e, 0)])(start, s.entry.reshape(g, per)).reshape(-1)
+  return Report(ended=q.status == FINISHED, queued=q.status == QUEUED, seq=q.seq, num=q.num_tokens, start=start,
                 tail=jnp.take_along_axis(q.tokens, cols(start), axis=2), steps=q.steps, depth_hist=q.depth_hist,
                 depth_visits=q.depth_visits, rank_hits=q.rank_hits, rank_mass=q.rank_mass, admitted=q.admitted,
-                first=q.first, finished=q.finished, slot_entry=s.entry, slot_seq=s.seq, slot_num=s.num_tokens,
-                slot_start=slot_start, slot_tail=jnp.take_along_axis(s.tokens, cols(slot_start), axis=1),
-                round=s.round, busy=s.busy - begin.busy)
+                first=q.first, finished=q.finished, preempted=q.preempted, slot_entry=s.entry, slot_seq=s.seq,
+                slot_num=s.num_tokens, slot_start=slot_start,
+                slot_tail=jnp.take_along_axis(s.tokens, cols(slot_start), axis=1), round=s.round,
+                busy=s.busy - begin.busy, free_pages=s.pages.free_count)
 
 
 @functools.partial(jax.jit, static_argnames=("program", "window"), donate_argnames=("state",))
@@ -788,11 +898,11 @@ def run_rounds(target_params, head_params, state: EngineState, max_rounds: jax.A
 
   def rounds_in(v):
     key_len, prefill = variants[v]
-    step = lambda s: with_control(body(s, key_len=key_len, prefill=prefill), plan)
+    step = lambda s: with_control(body(s, key_len=key_len, prefill=prefill), program)
     return lambda s: jax.lax.while_loop(lambda s: going(s) & (s.control[1] == v) & (s.control[2] == 0), step, s)
 
   def rounds(s):                       # flush (finish, admit), then rounds of one body until the next flush is due
-    s = flush(s, plan, program.mesh)
+    s = flush(s, program)
     # Each body's loop in turn; only the one the control names runs rounds (a later one may follow it when the
     # body changes with no flush due: a flush then would do nothing). No conditional carries the state: on
     # XLA:CPU a switch between the loops cost a copy of the caches.
@@ -800,8 +910,8 @@ def run_rounds(target_params, head_params, state: EngineState, max_rounds: jax.A
       for v in range(len(variants)):
         s = rounds_in(v)(s)
     return s
-  end = jax.lax.while_loop(going, rounds, with_control(state, plan))
-  end = flush(end, plan, program.mesh)         # the call's finished requests in the queue, free slots admitted
+  end = jax.lax.while_loop(going, rounds, with_control(state, program))
+  end = flush(end, program)         # the call's finished requests in the queue, free slots admitted
   return end, _report(state, end, plan, window)
 
 
@@ -824,7 +934,8 @@ class RequestResult:
   """What the engine produced for one request. steps: decode rounds after its first token;
   depth_histogram [D+1]: those rounds by accepted draft tokens (AR: [steps]); depth_visits [D], rank_hits and
   rank_mass [D, W]: its acceptance-profile counts (``decode.profile``; AR: D = 0); admitted / first /
-  finished: the engine rounds at which it took a slot, drew its first token and finished."""
+  finished: the engine rounds at which it took a slot, drew its first token and finished; preempted: times its
+  slot was taken back for pages (its rows then recomputed)."""
   id: int
   tokens: list[int]
   steps: int
@@ -835,6 +946,7 @@ class RequestResult:
   admitted: int
   first: int
   finished: int
+  preempted: int = 0
 
 
 def acceptance(results: Sequence[RequestResult]) -> dict:
@@ -887,12 +999,13 @@ class Segment:
 @dataclasses.dataclass(frozen=True)
 class Update:
   """A collected segment: the requests that finished (by id), every outstanding request's new tokens ``new``
-  {id: tokens} (the finished ones' last tokens included), the round counter at its end and the slot-rounds
-  that held a request in it."""
+  {id: tokens} (the finished ones' last tokens included), the round counter at its end, the slot-rounds
+  that held a request in it and the KV pages held at its end."""
   finished: list[RequestResult]
   new: dict[int, list[int]]
   round: int
   busy: int
+  pages_used: int = 0
 
 
 class Engine:
@@ -942,16 +1055,16 @@ class Engine:
   def for_requests(cls, target_cfg: Qwen3Config, target_params: dict, requests: Sequence[Request], *, slots: int,
                    rows: int | None = None, lanes: int | None = None, prefill_rows: int = 32, groups: int = 1,
                    tree: TreeConfig | None = None, key_buckets: int = 1, per_request_sampling: bool = False,
-                   **kw) -> "Engine":
+                   page_rows: int = 16, pages: int | None = None, **kw) -> "Engine":
     """An engine whose slot capacity fits ``requests`` (rows default: every slot's whole tree; lanes: one per
-    group)."""
+    group; KV ``pages`` of ``page_rows`` rows default: every slot's capacity)."""
     check_requests(requests, target_cfg)
     nodes = 1 if tree is None else tree.num_nodes()
     plan = EnginePlan(slots=slots, rows=rows or slots * nodes, lanes=lanes or groups, prefill_rows=prefill_rows,
                       max_prompt=max(len(r.prompt) for r in requests),
                       max_new_tokens=max(r.max_new_tokens for r in requests),
                       queue=-(-len(requests) // groups), groups=groups, tree=tree, key_buckets=key_buckets,
-                      per_request_sampling=per_request_sampling)
+                      per_request_sampling=per_request_sampling, page_rows=page_rows, pages=pages)
     return cls(target_cfg, target_params, plan, **kw)
 
   @property
@@ -1016,7 +1129,7 @@ class Engine:
   def check(self, requests: Sequence[Request]) -> None:
     """Refuse, in one sentence naming the request, one this engine cannot run (``check_requests`` with its plan,
     or its own sampling where the engine compiles one setting)."""
-    check_requests(requests, self.cfg, self.plan)
+    check_requests(requests, self.cfg, self.plan, self.head_cfg)
     for i, r in enumerate(requests):
       if not self.plan.per_request_sampling and self.request_sampling(r) != self.request_sampling(Request([], 1)):
         raise JetSpecError(f"request {i} asks for its own sampling (temperature, top_k, top_p) but this engine "
@@ -1099,6 +1212,8 @@ class Engine:
 
     for b in np.flatnonzero(r.slot_entry >= 0):
       take(b // per, r.slot_entry[b], r.slot_seq[b], r.slot_num[b], r.slot_start[b], r.slot_tail[b])
+    for g, e in zip(*np.nonzero(r.queued & (r.num > r.start))):          # preempted in the call: tokens so far
+      take(g, e, r.seq[g, e], r.num[g, e], r.start[g, e], r.tail[g, e])
     finished = []
     for g, e in zip(*np.nonzero(r.ended)):
       rid = take(g, e, r.seq[g, e], r.num[g, e], r.start[g, e], r.tail[g, e])
@@ -1109,9 +1224,11 @@ class Engine:
                                     depth_histogram=r.depth_hist[g, e], depth_visits=r.depth_visits[g, e],
                                     rank_hits=r.rank_hits[g, e], rank_mass=r.rank_mass[g, e],
                                     admitted=int(r.admitted[g, e]), first=int(r.first[g, e]),
-                                    finished=int(r.finished[g, e])))
+                                    finished=int(r.finished[g, e]), preempted=int(r.preempted[g, e])))
     finished.sort(key=lambda x: x.id)
-    return Update(finished=finished, new=new, round=int(r.round), busy=int(np.sum(r.busy)))
+    pool = self.plan.pool_pages(self.head_cfg)
+    return Update(finished=finished, new=new, round=int(r.round), busy=int(np.sum(r.busy)),
+                  pages_used=pool - int(np.sum(r.free_pages)))
 
   def step(self, rounds: int = 1 << 30) -> list[RequestResult]:
     """Run at most ``rounds`` rounds (until nothing is pending) and wait for them (``dispatch`` then
@@ -1151,9 +1268,11 @@ class Engine:
                      slots=self.plan.slots, wall_s=wall)
 
 
-def check_requests(requests: Sequence[Request], cfg: Qwen3Config, plan: EnginePlan | None = None) -> None:
+def check_requests(requests: Sequence[Request], cfg: Qwen3Config, plan: EnginePlan | None = None,
+                   head_cfg: DraftConfig | None = None) -> None:
   """Refuse, in one sentence naming the request, one that cannot run: an empty prompt, a token id outside
-  the vocabulary, max_new_tokens < 1, longer than the model's context, or larger than a slot (``plan``)."""
+  the vocabulary, max_new_tokens < 1, longer than the model's context, larger than a slot (``plan``) or than a
+  group's KV pages (``plan`` and the engine's head, ``head_cfg``)."""
   if not requests:
     raise JetSpecError("no requests to run")
   for i, r in enumerate(requests):
@@ -1179,6 +1298,12 @@ def check_requests(requests: Sequence[Request], cfg: Qwen3Config, plan: EnginePl
     if plan is not None and (n > plan.max_prompt or r.max_new_tokens > plan.max_new_tokens):
       raise JetSpecError(f"request {i}: a prompt of {n} tokens with max_new_tokens {r.max_new_tokens} does not fit "
                          f"a slot (at most {plan.max_prompt} prompt tokens and {plan.max_new_tokens} new tokens)")
+    if plan is not None:
+      need, have = plan.request_pages(n + r.max_new_tokens, head_cfg), plan.pool_pages(head_cfg) // plan.groups
+      if need > have:
+        raise JetSpecError(f"request {i}: a prompt of {n} tokens with max_new_tokens {r.max_new_tokens} needs {need} "
+                           f"KV pages of {plan.page_rows} rows, more than the {have} of a group's pool; give the "
+                           f"engine more KV pages")
 
 
 def generate(target_cfg: Qwen3Config, target_params: dict, prompts: Sequence[Sequence[int]], max_new_tokens: int,

@@ -112,13 +112,15 @@ def observe_ranks(tree, acc, new: jax.Array, active: jax.Array):
 @flax.struct.dataclass
 class DraftView:
   """What a drafter sees of a round, per sequence b: the target's cache (rows < prefix_len[b] committed), the
-  head's context cache, the anchor ``last_token`` [B] (committed, not yet cached) and the round's keys [B] (the
-  tree's Gumbel noise is ``sampling.draft_gumbel(keys, D, V)``)."""
+  head's context cache, the anchor ``last_token`` [B] (committed, not yet cached), the round's keys [B] (the
+  tree's Gumbel noise is ``sampling.draft_gumbel(keys, D, V)``) and the caches' page ``table`` [B, T] (both
+  caches are page pools read through it, ``jetspec_jax.pages``)."""
   cache: qwen3.KVCache
   draft_cache: qwen3.KVCache
   last_token: jax.Array
   prefix_len: jax.Array
   keys: jax.Array
+  table: jax.Array
 
 
 # A drafter maps (target params, head params, DraftView) -> (per-depth logits [B, D, V], draft cache); keyword
@@ -130,7 +132,7 @@ def head_drafter(target_params, head_params, view: DraftView, *, cfg, head_cfg, 
   """The JetSpec head: per-depth logits of the block [last_token, mask...] after the context."""
   head = draft_head.bind(head_cfg, head_params)
   return head.draft_logits(qwen3.bind(cfg, target_params), view.draft_cache, view.prefix_len, view.last_token,
-                           tree_cfg.depth, attn_impl, mesh)
+                           tree_cfg.depth, attn_impl, mesh, view.table)
 
 
 def calibration_counts(tree_cfg: TreeConfig, counts):

@@ -16,10 +16,10 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from jetspec_jax import pages
 from jetspec_jax.decode import sampling
 from jetspec_jax.decode.tree import Tree
 from jetspec_jax.models import qwen3
-from jetspec_jax.models.layers import write_rows
 
 
 def verify_tree(params, cfg, tree: Tree, cache: qwen3.KVCache, prefix_len: jax.Array, *,
@@ -159,15 +159,11 @@ def accepted_tokens(tree: Tree, acc: Acceptance) -> tuple[jax.Array, jax.Array]:
   return new.astype(jnp.int32), acc.accepted + 1
 
 
-def gather_rows(cache_layer: jax.Array, rows: jax.Array) -> jax.Array:
-  """cache [B, Hkv, S, Dh], rows [B, R] -> [B, Hkv, R, Dh]."""
-  return jnp.take_along_axis(cache_layer, rows[:, None, :, None], axis=2)
-
-
-def compact_cache(cache: qwen3.KVCache, prefix_len: jax.Array, path: jax.Array) -> qwen3.KVCache:
-  """Move the accepted nodes' K/V (rows prefix_len + path[d]) to contiguous rows prefix_len + d."""
+def compact_cache(cache: qwen3.KVCache, prefix_len: jax.Array, path: jax.Array, table: jax.Array) -> qwen3.KVCache:
+  """Move the accepted nodes' K/V (rows prefix_len + path[d]) to contiguous rows prefix_len + d of the caches' page
+  pools (page ``table`` [B, T], ``jetspec_jax.pages``)."""
   rows = prefix_len[:, None] + path
-  move = lambda c: write_rows(c, gather_rows(c, rows), prefix_len)
+  move = lambda c: pages.write(c, pages.take(c, table, rows), table, prefix_len)
   return qwen3.KVCache(k=tuple(move(c) for c in cache.k), v=tuple(move(c) for c in cache.v))
 
 

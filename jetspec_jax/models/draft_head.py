@@ -164,12 +164,14 @@ class DraftHead(nnx.Module):
     ctx = self.fuse(features)
     return [layer.attn.keys_values(ctx, positions) for layer in self.layers]
 
-  def append_context(self, cache: qwen3.KVCache, features: jax.Array, start: jax.Array) -> qwen3.KVCache:
-    """Add R context rows (target taps [B, R, F]) at positions start[b] + r of every layer's cache."""
+  def append_context(self, cache: qwen3.KVCache, features: jax.Array, start: jax.Array,
+                     table: jax.Array | None = None) -> qwen3.KVCache:
+    """Add R context rows (target taps [B, R, F]) at positions start[b] + r of every layer's cache (page pools
+    with a page ``table``)."""
     positions = start[:, None] + jnp.arange(features.shape[1], dtype=jnp.int32)[None, :]
     kv = self.context_kv(features, positions)
-    return qwen3.KVCache(k=tuple(write_rows(c, k, start) for c, (k, _) in zip(cache.k, kv)),
-                         v=tuple(write_rows(c, v, start) for c, (_, v) in zip(cache.v, kv)))
+    return qwen3.KVCache(k=tuple(write_rows(c, k, start, table) for c, (k, _) in zip(cache.k, kv)),
+                         v=tuple(write_rows(c, v, start, table) for c, (_, v) in zip(cache.v, kv)))
 
   def blocks(self, x: jax.Array, positions: jax.Array, attends) -> tuple[jax.Array, list]:
     """Block states x [B, T, H] through every layer (layer i attends with ``attends[i]``), final-normed;
@@ -182,26 +184,29 @@ class DraftHead(nnx.Module):
     return self.final_norm(x), kept
 
   def draft_hidden(self, target: qwen3.Qwen3, cache: qwen3.KVCache, prefix_len: jax.Array, anchor: jax.Array,
-                   attn_impl: str = "xla", mesh=None) -> tuple[jax.Array, qwen3.KVCache]:
+                   attn_impl: str = "xla", mesh=None, table: jax.Array | None = None) -> tuple[jax.Array, qwen3.KVCache]:
     """Final-normed block states [B, bs, H] for block [anchor, mask...] after prefix_len context rows.
 
     Also returns the cache with the block's K/V written as scratch at prefix_len.. (masked out of
-    later rounds and overwritten by the next ``append_context``); carrying it avoids a copy."""
+    later rounds and overwritten by the next ``append_context``); carrying it avoids a copy. ``table``: the
+    cache holds page pools (``jetspec_jax.pages``)."""
     cfg = self.cfg
     batch, bs = anchor.shape[0], cfg.block_size
     tokens = jnp.concatenate([anchor[:, None], jnp.full((batch, bs - 1), cfg.mask_token_id, jnp.int32)], axis=1)
     x = target.embed_tokens(tokens).astype(self.fc[...].dtype)
     positions = prefix_len[:, None] + jnp.arange(bs, dtype=jnp.int32)[None, :]
     mask = block_mask(cfg, batch)
-    attends = [cached_attention((k, v), prefix_len, mask, impl=attn_impl, mesh=mesh) for k, v in zip(cache.k, cache.v)]
+    attends = [cached_attention((k, v), prefix_len, mask, impl=attn_impl, mesh=mesh, table=table)
+               for k, v in zip(cache.k, cache.v)]
     h, kept = self.blocks(x, positions, attends)
     return h, qwen3.KVCache(k=tuple(k for k, _ in kept), v=tuple(v for _, v in kept))
 
   def draft_logits(self, target: qwen3.Qwen3, cache: qwen3.KVCache, prefix_len: jax.Array, anchor: jax.Array,
-                   depth: int | None = None, attn_impl: str = "xla", mesh=None) -> tuple[jax.Array, qwen3.KVCache]:
+                   depth: int | None = None, attn_impl: str = "xla", mesh=None,
+                   table: jax.Array | None = None) -> tuple[jax.Array, qwen3.KVCache]:
     """Per-depth draft logits [B, depth, V] float32 (depth <= bs-1; slot d -> depth d), and the cache."""
     depth = self.cfg.depth if depth is None else depth
-    h, cache = self.draft_hidden(target, cache, prefix_len, anchor, attn_impl, mesh)
+    h, cache = self.draft_hidden(target, cache, prefix_len, anchor, attn_impl, mesh, table)
     return target.logits(h[:, 1:depth + 1]), cache
 
 
@@ -216,3 +221,9 @@ def init_context_cache(cfg: DraftConfig, batch: int, max_len: int, dtype, mesh=N
   """Per-layer context (and block scratch) K/V of the head, [B, Hkv, S, Dh] each."""
   return qwen3.zero_cache(cfg.num_hidden_layers, (batch, cfg.num_key_value_heads, max_len, cfg.head_dim), dtype,
                           mesh)
+
+
+def init_context_pool(cfg: DraftConfig, groups: int, pages: int, page_rows: int, dtype, mesh=None) -> qwen3.KVCache:
+  """The head's context cache paged: per layer a pool [groups, pages, Hkv, page_rows, Dh] (``jetspec_jax.pages``)."""
+  return qwen3.zero_cache(cfg.num_hidden_layers, (groups, pages, cfg.num_key_value_heads, page_rows, cfg.head_dim),
+                          dtype, mesh)

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jetspec_jax import pages
 from jetspec_jax.attention import attention
 from jetspec_jax.models.params import param
 
@@ -46,11 +47,22 @@ def swiglu(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array) -> jax
   return (jax.nn.silu(x @ gate) * (x @ up)) @ down
 
 
-def write_rows(cache: jax.Array, rows: jax.Array, start: jax.Array) -> jax.Array:
-  """Write ``rows`` [B, Hkv, T, Dh] into ``cache`` [B, Hkv, S, Dh] at per-sequence offsets start [B]."""
+def write_rows(cache: jax.Array, rows: jax.Array, start: jax.Array, table: jax.Array | None = None) -> jax.Array:
+  """Write ``rows`` [B, Hkv, T, Dh] at per-sequence offsets start [B] into ``cache``: contiguous [B, Hkv, S, Dh],
+  or with a page ``table`` [B, T'] a page pool [P, Hkv, R, Dh] (``jetspec_jax.pages``)."""
+  if table is not None:
+    return pages.write(cache, rows, table, start.astype(jnp.int32))
   def one(c, r, s):
     return jax.lax.dynamic_update_slice(c, r.astype(c.dtype), (0, s, 0))
   return jax.vmap(one)(cache, rows, start.astype(jnp.int32))
+
+
+def read_rows(cache: jax.Array, length: int | None, table: jax.Array | None = None) -> jax.Array:
+  """Each sequence's first ``length`` rows (None: all it can hold) as [B, Hkv, length, Dh], from a contiguous
+  cache or (``table``) a page pool."""
+  if table is None:
+    return cache[:, :, :length]
+  return pages.gather(cache, table, length or table.shape[1] * cache.shape[3])
 
 
 @flax.struct.dataclass
@@ -140,15 +152,18 @@ class PackedRows:
     seq = jnp.broadcast_to(self.lane_slot[..., None], rows.shape)
     return seq.reshape(groups, -1), rows.reshape(groups, -1)
 
-  def put_rows(self, cache: jax.Array, rows: jax.Array, seq: jax.Array, at: jax.Array) -> jax.Array:
-    """Write rows [G, R, Hkv, Dh] into ``cache`` [B, Hkv, S, Dh] in place: row r of group g at cache row at[g, r]
-    of the group's sequence seq[g, r] (seq == slots_per_group: dropped)."""
+  def put_rows(self, cache: jax.Array, rows: jax.Array, seq: jax.Array, at: jax.Array,
+               table: jax.Array | None = None) -> jax.Array:
+    """Write rows [G, R, Hkv, Dh] into ``cache`` [B, Hkv, S, Dh] (or a page pool, ``table``) in place: row r of
+    group g at cache row at[g, r] of the group's sequence seq[g, r] (seq == slots_per_group: dropped)."""
+    if table is not None:
+      return pages.scatter(cache, rows, table, seq, at)
     def one(cg, rg, sg, ag):
       return cg.at[sg, :, ag].set(rg.astype(cg.dtype), mode="drop")
     return jax.vmap(one)(self.by_group(cache), rows, seq, at).reshape(cache.shape)
 
 
-def _attend_packed(packed: PackedRows, kv, start, block_mask, q, k, v, impl, mesh):
+def _attend_packed(packed: PackedRows, kv, start, block_mask, q, k, v, impl, mesh, table):
   """``cached_attention`` for packed rows: the decode rows' keys and values written at ``packed.write_start``, the
   lanes' at their own rows, then the decode rows attend from ``start`` in the [B, N] layout and each lane over
   its sequence's cache rows (read, never copied back)."""
@@ -156,39 +171,42 @@ def _attend_packed(packed: PackedRows, kv, start, block_mask, q, k, v, impl, mes
   q_d, q_l = packed.split(q)
   groups, k_rows = packed.slot.shape
   decode_rows = lambda x: heads_last(packed.scatter(heads_last(x)[:, :k_rows]))      # [B, Hkv, N, Dh]
-  k_cache = write_rows(kv[0], decode_rows(k), packed.write_start)
-  v_cache = write_rows(kv[1], decode_rows(v), packed.write_start)
+  k_cache = write_rows(kv[0], decode_rows(k), packed.write_start, table)
+  v_cache = write_rows(kv[1], decode_rows(v), packed.write_start, table)
   if packed.num_lanes:
     lane_kv = lambda x: heads_last(x)[:, k_rows:]                      # [G, L * C, Hkv, Dh]
     seq, at = packed.lane_cache_rows()
-    k_cache = packed.put_rows(k_cache, lane_kv(k), seq, at)
-    v_cache = packed.put_rows(v_cache, lane_kv(v), seq, at)
-  keys = slice(None, packed.key_len)
-  out = packed.gather(attention(packed.scatter(q_d), k_cache[:, :, keys], v_cache[:, :, keys], start, block_mask,
-                                impl=impl, mesh=mesh))
+    k_cache = packed.put_rows(k_cache, lane_kv(k), seq, at, table)
+    v_cache = packed.put_rows(v_cache, lane_kv(v), seq, at, table)
+  k_seen, v_seen = read_rows(k_cache, packed.key_len, table), read_rows(v_cache, packed.key_len, table)
+  out = packed.gather(attention(packed.scatter(q_d), k_seen, v_seen, start, block_mask, impl=impl, mesh=mesh))
   if packed.num_lanes:
     rows = packed.lane_rows
     causal = jnp.broadcast_to(jnp.tril(jnp.ones((rows, rows), bool)), (q_l.shape[0], rows, rows))
-    lane_out = attention(q_l, packed.lane_sequences(k_cache[:, :, keys]), packed.lane_sequences(v_cache[:, :, keys]),
+    lane_out = attention(q_l, packed.lane_sequences(k_seen), packed.lane_sequences(v_seen),
                          packed.lane_start.reshape(-1), causal, impl=impl, mesh=mesh)
     out = jnp.concatenate([out, lane_out.reshape((groups, -1) + lane_out.shape[2:])], axis=1)
   return out, (k_cache, v_cache)
 
 
 def cached_attention(kv: tuple[jax.Array, jax.Array] | None, start: jax.Array | None, block_mask: jax.Array, *,
-                     impl: str = "xla", mesh=None, packed: PackedRows | None = None) -> Attend:
+                     impl: str = "xla", mesh=None, packed: PackedRows | None = None,
+                     table: jax.Array | None = None) -> Attend:
   """``attend`` for T new rows over one layer's cache ``kv`` = (k, v) [B, Hkv, S, Dh]: their keys are
   written at rows start[b] + t, and they see rows < start[b] plus the new rows ``block_mask`` [B, T, T]
   allows (``jetspec_jax.attention``). It returns the updated (k, v). With ``kv`` None (training, no
   cache) the rows see only each other and nothing is kept. ``packed``: the rows arrive packed
-  (``PackedRows``; block_mask [B, N, N] for the decode rows) and the result is packed again."""
+  (``PackedRows``; block_mask [B, N, N] for the decode rows) and the result is packed again. ``table`` [B, T']:
+  ``kv`` are page pools [P, Hkv, R, Dh] (``jetspec_jax.pages``): rows are written through the table and
+  attention reads each sequence's pages gathered."""
   def attend(q, k, v):
     if kv is None:
       return attention(q, k, v, jnp.zeros((q.shape[0],), jnp.int32), block_mask, impl=impl, mesh=mesh), None
     if packed is not None:
-      return _attend_packed(packed, kv, start, block_mask, q, k, v, impl, mesh)
-    k_cache, v_cache = write_rows(kv[0], k, start), write_rows(kv[1], v, start)
-    return attention(q, k_cache, v_cache, start, block_mask, impl=impl, mesh=mesh), (k_cache, v_cache)
+      return _attend_packed(packed, kv, start, block_mask, q, k, v, impl, mesh, table)
+    k_cache, v_cache = write_rows(kv[0], k, start, table), write_rows(kv[1], v, start, table)
+    seen = lambda c: read_rows(c, None, table)
+    return attention(q, seen(k_cache), seen(v_cache), start, block_mask, impl=impl, mesh=mesh), (k_cache, v_cache)
   return attend
 
 

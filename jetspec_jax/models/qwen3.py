@@ -30,7 +30,8 @@ from jetspec_jax.sharding import named_sharding, shard
 
 @flax.struct.dataclass
 class KVCache:
-  """Per-layer keys and values, each [B, Hkv, S, Dh]; sequence b's committed length lives outside."""
+  """Per-layer keys and values, each [B, Hkv, S, Dh], or each a page pool [P, Hkv, R, Dh] whose page table lives
+  outside (``jetspec_jax.pages``); sequence b's committed length lives outside."""
   k: tuple[jax.Array, ...]
   v: tuple[jax.Array, ...]
 
@@ -40,15 +41,18 @@ class KVCache:
 
 
 CACHE_AXES = ("batch", "kv_heads", "seq", "head_dim")
+POOL_AXES = ("batch", None, "kv_heads", "seq", "head_dim")      # [G, Pg, Hkv, R, Dh]: groups over data
 
 
 def zero_cache(num_layers: int, shape: tuple[int, ...], dtype, mesh=None) -> KVCache:
-  """``num_layers`` zeroed [B, Hkv, S, Dh] keys and values, sharded over (data, model). Each buffer is
-  born in its sharding (``zero_cache_program``): no device ever holds more than its shard."""
+  """``num_layers`` zeroed [B, Hkv, S, Dh] keys and values (or page pools [G, Pg, Hkv, R, Dh]), sharded over
+  (data, model). Each buffer is born in its sharding (``zero_cache_program``): no device ever holds more than its
+  shard."""
   if mesh is None:
     zeros = lambda: jnp.zeros(shape, dtype)
   else:
-    zeros = zero_cache_program(shape, jnp.dtype(dtype), named_sharding(CACHE_AXES, shape, mesh))
+    axes = CACHE_AXES if len(shape) == 4 else POOL_AXES
+    zeros = zero_cache_program(shape, jnp.dtype(dtype), named_sharding(axes, shape, mesh))
   return KVCache(k=tuple(zeros() for _ in range(num_layers)), v=tuple(zeros() for _ in range(num_layers)))
 
 
@@ -62,6 +66,12 @@ def zero_cache_program(shape: tuple[int, ...], dtype, sharding):
 def init_cache(cfg: Qwen3Config, batch: int, max_len: int, dtype, mesh=None) -> KVCache:
   """A zeroed cache of ``max_len`` positions per sequence."""
   return zero_cache(cfg.num_hidden_layers, (batch, cfg.num_key_value_heads, max_len, cfg.head_dim), dtype, mesh)
+
+
+def init_pool(cfg: Qwen3Config, groups: int, pages: int, page_rows: int, dtype, mesh=None) -> KVCache:
+  """A zeroed paged cache: per layer a pool of ``pages`` pages of ``page_rows`` rows per group (``jetspec_jax.pages``)."""
+  shape = (groups, pages, cfg.num_key_value_heads, page_rows, cfg.head_dim)
+  return zero_cache(cfg.num_hidden_layers, shape, dtype, mesh)
 
 
 class Qwen3(nnx.Module):
@@ -88,7 +98,7 @@ class Qwen3(nnx.Module):
 
   def hidden(self, tokens: jax.Array, positions: jax.Array, block_mask: jax.Array, *, cache: KVCache | None = None,
              prefix_len: jax.Array | None = None, tap_layers: tuple[int, ...] = (), rows: jax.Array | None = None,
-             attn_impl: str = "xla", mesh=None, packed: PackedRows | None = None):
+             attn_impl: str = "xla", mesh=None, packed: PackedRows | None = None, table: jax.Array | None = None):
     """Run T new rows through the decoder layers.
 
     tokens, positions [B, T] int32 (positions: RoPE positions); block_mask [B, T, T]; cache: KV cache
@@ -98,7 +108,8 @@ class Qwen3(nnx.Module):
     or None), taps being the residual outputs (before the final norm) of the chosen layers, in order.
     ``packed`` (``layers.PackedRows``): tokens and positions are packed rows [G, K + L * C], decode rows
     attending in the cache's [B, W] layout (block_mask [B, W, W], prefix_len [B]) and prefill lanes
-    causally; everything returned stays packed.
+    causally; everything returned stays packed. ``table`` [B, T']: the cache's buffers are page pools
+    [P, Hkv, R, Dh] read and written through this page table (``jetspec_jax.pages``).
     """
     with jax.named_scope("embedding"):
       x = shard(self.embed_tokens(tokens), ("batch", "seq", "embed"), mesh)
@@ -106,7 +117,7 @@ class Qwen3(nnx.Module):
     for i, layer in enumerate(self.layers):
       kv = None if cache is None else (cache.k[i], cache.v[i])
       with jax.named_scope(f"layer_{i}"):
-        attend = cached_attention(kv, prefix_len, block_mask, impl=attn_impl, mesh=mesh, packed=packed)
+        attend = cached_attention(kv, prefix_len, block_mask, impl=attn_impl, mesh=mesh, packed=packed, table=table)
         x, kept = layer(x, positions, attend, mesh)
       if kept is not None:
         new_k.append(kept[0])
