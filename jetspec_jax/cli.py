@@ -152,6 +152,38 @@ def _eos_ids(args, cfg) -> list[int] | None:
   return eos
 
 
+def _kv_pages(args, cfg, head_cfg, dtype, groups: int) -> int | None:
+  """--kv-pages, or the pages --kv-memory GiB hold (target and head, ``engine.page_bytes``), a multiple of the
+  engine's groups; None (every slot's capacity) without either."""
+  from jetspec_jax.decode.engine import page_bytes
+  if args.page_rows < 8 or args.page_rows % 8:
+    raise JetSpecError(f"--page-rows must be a positive multiple of 8, got {args.page_rows}")
+  if args.kv_pages is not None and args.kv_memory is not None:
+    raise JetSpecError("give --kv-pages or --kv-memory, not both")
+  if args.kv_memory is not None:
+    if not args.kv_memory > 0:
+      raise JetSpecError(f"--kv-memory must be a positive number of GiB, got {args.kv_memory}")
+    size = page_bytes(cfg, head_cfg, args.page_rows, dtype)
+    pages = int(args.kv_memory * (1 << 30) // size) // groups * groups
+    if pages < groups:
+      raise JetSpecError(f"--kv-memory {args.kv_memory:g} GiB holds {pages} KV pages of {args.page_rows} rows "
+                         f"({size} bytes each); give at least {groups * size / (1 << 30):.3g} GiB")
+    return pages
+  if args.kv_pages is not None and (args.kv_pages < groups or args.kv_pages % groups):
+    raise JetSpecError(f"--kv-pages must be a positive multiple of the engine's {groups} groups (the mesh's data "
+                       f"axis), got {args.kv_pages}")
+  return args.kv_pages
+
+
+def _kv_flags(parser, prefix: str = "") -> None:
+  """--kv-pages / --kv-memory / --page-rows (``_kv_pages``)."""
+  parser.add_argument("--kv-pages", type=int, default=None,
+                      help=f"{prefix}KV cache pages shared by all slots (default: every slot's full context)")
+  parser.add_argument("--kv-memory", type=float, default=None,
+                      help=f"{prefix}GiB of KV cache pages (target and head), instead of --kv-pages")
+  parser.add_argument("--page-rows", type=int, default=16, help=f"{prefix}rows per KV page (a multiple of 8)")
+
+
 def _head_and_tree(args, cfg, dtype, mesh) -> dict:
   """--head's draft head and the tree flags' TreeConfig as keyword arguments (head_cfg, head_params, tree);
   {} without --head."""
@@ -257,10 +289,12 @@ def cmd_serve(args) -> dict:
   tree = head.pop("tree", None)
   groups = 1 if mesh is None else mesh.shape["data"]
   queue = args.queue or 2 * args.slots
+  pages = _kv_pages(args, cfg, head.get("head_cfg"), dtype or params["embed"].dtype, groups)
   plan = EnginePlan(slots=args.slots, rows=args.rows or args.slots * (1 if tree is None else tree.num_nodes()),
                     lanes=groups, prefill_rows=args.prefill_rows, max_prompt=args.max_prompt,
                     max_new_tokens=args.max_tokens, queue=-(-queue // groups), groups=groups, tree=tree,
-                    key_buckets=args.key_buckets, per_request_sampling=not args.fixed_sampling)
+                    key_buckets=args.key_buckets, per_request_sampling=not args.fixed_sampling,
+                    page_rows=args.page_rows, pages=pages)
   engine = Engine(cfg, params, plan, sampling_cfg=sampling_cfg, eos_ids=eos, attn_impl=impl, mesh=mesh, **head)
   say = _status_lines(args)
   say("compiling the engine's programs")
@@ -405,9 +439,11 @@ def _bench_load(args) -> dict:
   for name, t in modes.items():
     nodes = 1 if t is None else t.num_nodes()
     rows = args.slots if t is None else (args.rows or args.slots * nodes)
+    pages = _kv_pages(args, cfg, None if t is None else head_cfg, params["embed"].dtype, groups)
     plan = EnginePlan(slots=args.slots, rows=rows, lanes=groups, prefill_rows=args.prefill_rows,
                       max_prompt=max(len(r.prompt) for r in requests), max_new_tokens=args.max_new_tokens,
-                      queue=-(-len(requests) // groups), groups=groups, tree=t, key_buckets=args.key_buckets)
+                      queue=-(-len(requests) // groups), groups=groups, tree=t, key_buckets=args.key_buckets,
+                      page_rows=args.page_rows, pages=pages)
     kw = {} if t is None else dict(head_cfg=head_cfg, head_params=head_params)
     engine = Engine(cfg, params, plan, eos_ids=None if args.stop_at_eos else (), attn_impl=impl, mesh=mesh, **kw)
     say(f"{name}: compiling")
@@ -582,6 +618,7 @@ def build_parser() -> argparse.ArgumentParser:
   sv.add_argument("--segment-rounds", type=int, default=8,
                   help="engine rounds between host visits (new requests, streamed tokens, cancellations)")
   sv.add_argument("--key-buckets", type=int, default=1, help="attention key-length buckets (CPU: 4)")
+  _kv_flags(sv)
   sv.add_argument("--drain-timeout", type=float, default=30.0,
                   help="on SIGTERM, seconds the requests in flight get to finish")
   sv.add_argument("--max-waiting", type=int, default=None,
@@ -652,6 +689,7 @@ def build_parser() -> argparse.ArgumentParser:
                  help="load mode: decode rows verified per round over all slots (default: every slot's whole tree)")
   b.add_argument("--prefill-rows", type=int, default=32, help="load mode: prompt rows per prefill lane and round")
   b.add_argument("--key-buckets", type=int, default=1, help="load mode: attention key-length buckets (CPU: 4)")
+  _kv_flags(b, "load mode: ")
   b.add_argument("--request-rate", action="append", default=None,
                  help="load mode: Poisson arrivals per second, repeatable; inf = all at once (default)")
   common(b)

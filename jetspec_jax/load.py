@@ -76,12 +76,12 @@ def run_engine(engine: Engine, requests: Sequence[Request], *, rate: float | Non
   done: dict[int, dict] = {}
   submitted, t0 = 0, time.perf_counter()
   segment_end: list[tuple[int, float]] = []                          # (rounds so far, wall time collected)
-  in_flight, busy, rounds = None, 0, 0
+  in_flight, busy, rounds, peak_pages = None, 0, 0, 0
 
   def collect(segment):
-    nonlocal busy, rounds
+    nonlocal busy, rounds, peak_pages
     update = engine.collect(segment)
-    busy, rounds = busy + update.busy, update.round
+    busy, rounds, peak_pages = busy + update.busy, update.round, max(peak_pages, update.pages_used)
     segment_end.append((rounds, time.perf_counter() - t0))
     for r in update.finished:
       done[pending_ids.pop(r.id)] = {"result": r}
@@ -118,7 +118,8 @@ def run_engine(engine: Engine, requests: Sequence[Request], *, rate: float | Non
     n = len(r.tokens)
     rows.append({"prompt_tokens": len(req.prompt), "output_tokens": n, "arrival_s": float(arrive[i]),
                  "ttft_s": first - float(arrive[i]), "latency_s": last - float(arrive[i]),
-                 "tpot_s": (last - first) / max(n - 1, 1), "steps": r.steps, "tokens": r.tokens})
+                 "tpot_s": (last - first) / max(n - 1, 1), "steps": r.steps, "preempted": r.preempted,
+                 "tokens": r.tokens})
   output = sum(r["output_tokens"] for r in rows)
   decoded = output - len(rows)
   steps = sum(r["steps"] for r in rows)
@@ -126,7 +127,9 @@ def run_engine(engine: Engine, requests: Sequence[Request], *, rate: float | Non
           "tokens_per_s": output / wall, "requests_per_s": len(rows) / wall,
           "tau": decoded / max(steps, 1), "occupancy": busy / max(rounds * engine.plan.slots, 1),
           "ttft_s": percentiles(r["ttft_s"] for r in rows), "tpot_s": percentiles(r["tpot_s"] for r in rows),
-          "latency_s": percentiles(r["latency_s"] for r in rows), "rate": rate, "segment_rounds": segment_rounds}
+          "latency_s": percentiles(r["latency_s"] for r in rows), "rate": rate, "segment_rounds": segment_rounds,
+          "kv_pages": engine.plan.pool_pages(engine.head_cfg), "kv_pages_peak": peak_pages,
+          "preemptions": sum(r["preempted"] for r in rows)}
 
 
 def run_static(engine: Engine, requests: Sequence[Request]) -> dict:

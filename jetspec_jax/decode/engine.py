@@ -94,6 +94,14 @@ def prefill_chunk(batch: int, heads: int, prompt_width: int, cache_len: int, mes
   return max(16, 1 << max(int(score_bytes // per_row).bit_length() - 1, 0))
 
 
+def page_bytes(cfg: Qwen3Config, head_cfg: DraftConfig | None, page_rows: int, dtype) -> int:
+  """Bytes one KV page takes over every layer of the target and the head (keys and values)."""
+  width = cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim
+  if head_cfg is not None:
+    width += head_cfg.num_hidden_layers * head_cfg.num_key_value_heads * head_cfg.head_dim
+  return 2 * width * page_rows * jnp.dtype(dtype).itemsize
+
+
 def resolve_eos(cfg: Qwen3Config, eos_ids) -> tuple[int, ...]:
   """Explicit EOS ids, or the config's (empty tuple: never stop early)."""
   return tuple(int(e) for e in (cfg.eos_token_ids if eos_ids is None else eos_ids))
