@@ -204,8 +204,8 @@ class EnginePlan:
     if self.rows < self.slots:
       raise JetSpecError(f"{self.rows} rows for {self.slots} slots: every slot needs a row for its root, so use "
                          f"rows >= {self.slots}")
-    if self.page_rows % 8:
-      raise JetSpecError(f"page_rows {self.page_rows} is not a multiple of 8 (the Mosaic GPU kernel's TMA boxes start "
+    if self.page_rows < 8 or self.page_rows % 8:
+      raise JetSpecError(f"page_rows {self.page_rows} is not a positive multiple of 8 (the Mosaic GPU kernel's TMA boxes start "
                          f"at multiples of 8 rows)")
     if self.pages is not None and (self.pages < g or self.pages % g):
       raise JetSpecError(f"{self.pages} KV pages do not split evenly over {g} groups")
@@ -217,7 +217,7 @@ class EnginePlan:
 class Queue:
   """Requests and their outputs per group g and entry q. QUEUED entries are admitted in order of their
   sequence numbers; rounds are the engine's round counter. A preempted request is QUEUED again with its tokens
-  and counts so far (``_requeue``) and resumes from them."""
+  and counts so far (``_to_queue``) and resumes from them."""
   prompt: jax.Array        # [G, Q, T] int32
   prompt_len: jax.Array    # [G, Q]
   max_new: jax.Array       # [G, Q]
@@ -243,7 +243,7 @@ class Queue:
 @flax.struct.dataclass
 class EngineState:
   """The loop state: the queue, B slots, the caches' pages and the round counters (see the module docstring).
-  ``cache`` and ``draft_cache`` hold page pools [P, Hkv, R, Dh] per layer, read through ``pages.table``."""
+  ``cache`` and ``draft_cache`` hold page pools [G, Pg, Hkv, R, Dh] per layer, read through ``pages.table``."""
   queue: Queue
   entry: jax.Array         # [B] queue entry of the slot's request (-1: free)
   seq: jax.Array           # [B] its sequence number (prefill lanes serve the oldest first)
@@ -794,8 +794,8 @@ def with_control(s: EngineState, program: RoundProgram) -> EngineState:
   slot's rows reach past, and whether a slot is prefilling; flush due: a slot is done, a slot was refused pages, or
   a slot is free while its group's oldest queued request would get pages). Pages: each held slot is given those
   its rows up to the end of its next round need (its committed rows, or a prefilling slot's whole prompt, plus
-  ``scratch_rows``), oldest request first (``pages.grow``; ``granted``). The control's values come from ONE max over the slots (the only
-  reduction across data shards of a round)."""
+  ``scratch_rows``), oldest request first (``pages.grow``; ``granted``). The control's values come from ONE max
+  over the slots (the only reduction across data shards of a round)."""
   plan = program.plan
   g, per = plan.groups, plan.slots // plan.groups
   held = s.entry >= 0

@@ -49,7 +49,7 @@ def swiglu(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array) -> jax
 
 def write_rows(cache: jax.Array, rows: jax.Array, start: jax.Array, table: jax.Array | None = None) -> jax.Array:
   """Write ``rows`` [B, Hkv, T, Dh] at per-sequence offsets start [B] into ``cache``: contiguous [B, Hkv, S, Dh],
-  or with a page ``table`` [B, T'] a page pool [P, Hkv, R, Dh] (``jetspec_jax.pages``)."""
+  or with a page ``table`` [B, T'] a page pool [G, Pg, Hkv, R, Dh] (``jetspec_jax.pages``)."""
   if table is not None:
     return pages.write(cache, rows, table, start.astype(jnp.int32))
   def one(c, r, s):
@@ -197,7 +197,7 @@ def cached_attention(kv: tuple[jax.Array, jax.Array] | None, start: jax.Array | 
   allows (``jetspec_jax.attention``). It returns the updated (k, v). With ``kv`` None (training, no
   cache) the rows see only each other and nothing is kept. ``packed``: the rows arrive packed
   (``PackedRows``; block_mask [B, N, N] for the decode rows) and the result is packed again. ``table`` [B, T']:
-  ``kv`` are page pools [P, Hkv, R, Dh] (``jetspec_jax.pages``): rows are written through the table and
+  ``kv`` are page pools [G, Pg, Hkv, R, Dh] (``jetspec_jax.pages``): rows are written through the table and
   attention reads each sequence's pages gathered."""
   def attend(q, k, v):
     if kv is None:

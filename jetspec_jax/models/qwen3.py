@@ -30,7 +30,7 @@ from jetspec_jax.sharding import named_sharding, shard
 
 @flax.struct.dataclass
 class KVCache:
-  """Per-layer keys and values, each [B, Hkv, S, Dh], or each a page pool [P, Hkv, R, Dh] whose page table lives
+  """Per-layer keys and values, each [B, Hkv, S, Dh], or each a page pool [G, Pg, Hkv, R, Dh] whose page table lives
   outside (``jetspec_jax.pages``); sequence b's committed length lives outside."""
   k: tuple[jax.Array, ...]
   v: tuple[jax.Array, ...]
@@ -109,7 +109,7 @@ class Qwen3(nnx.Module):
     ``packed`` (``layers.PackedRows``): tokens and positions are packed rows [G, K + L * C], decode rows
     attending in the cache's [B, W] layout (block_mask [B, W, W], prefix_len [B]) and prefill lanes
     causally; everything returned stays packed. ``table`` [B, T']: the cache's buffers are page pools
-    [P, Hkv, R, Dh] read and written through this page table (``jetspec_jax.pages``).
+    [G, Pg, Hkv, R, Dh] read and written through this page table (``jetspec_jax.pages``).
     """
     with jax.named_scope("embedding"):
       x = shard(self.embed_tokens(tokens), ("batch", "seq", "embed"), mesh)
