@@ -1,5 +1,5 @@
 """The package reads top-down: cli -> (demo, serve) -> (bench, banks, load, driver) -> train -> decode -> checkpoint
-I/O -> models -> attention -> shared basics -> kernels. Every import of a project module, at module level or
+I/O -> models -> (attention, pages) -> shared basics -> kernels. Every import of a project module, at module level or
 inside a function, goes to the importer's layer or one below it (parsed with ``ast``, nothing imported)."""
 import ast
 import os
@@ -12,7 +12,7 @@ LAYERS = (
     ("pallas_kernels", 0),
     ("jetspec_jax.errors", 1), ("jetspec_jax.config", 1), ("jetspec_jax.sharding", 1), ("jetspec_jax.cache", 1),
     ("jetspec_jax.stages", 1), ("jetspec_jax.files", 1),
-    ("jetspec_jax.attention", 2),
+    ("jetspec_jax.attention", 2), ("jetspec_jax.pages", 2),
     ("jetspec_jax.models", 3),
     ("jetspec_jax.checkpoint", 4), ("jetspec_jax.convert", 4), ("jetspec_jax.tokenizer", 4),
     ("jetspec_jax.distributed", 4),
