@@ -46,6 +46,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.errors import KernelError, check_heads, check_problem
+from pallas_kernels.paging import check_paged, flat_pages
 from pallas_kernels.tuning import DEFAULT_TUNING, KernelTuning, LaunchConfig
 
 SUPPORTED_HEAD_DIMS = (64, 128)
@@ -187,17 +188,20 @@ def split_blocks(split, prefix_blocks, shapes: LaunchShapes):
   return first, jnp.minimum(first + share, prefix_blocks)
 
 
-def _kernel(prefix_ref, q_ref, k_ref, v_ref, words_ref, *out_refs, shapes: LaunchShapes,
-            group: int, num_q: int, qk_scale: float):
+def _kernel(prefix_ref, q_ref, k_ref, v_ref, words_ref, *refs, shapes: LaunchShapes,
+            group: int, num_q: int, qk_scale: float, page_rows: int | None):
   """One (batch, kv head, row block, split) tile.
 
   Refs: prefix_ref [B] int32; q_ref [T, Hq, Dh] (this batch row); k_ref, v_ref [S, Dh] (this batch
-  row and kv head); words_ref [T, W] int32 (this batch row's packed mask). out_refs: o_ref
-  [T, Hq, Dh] with one split, else the partials acc_ref [T, Hq, Dh] f32, m_ref and l_ref [T, Hq]
-  f32 (this batch row and split).
+  row and kv head), or with ``page_rows`` R the pools [P, R, Dh] (this kv head) and then table_ref [T']
+  int32 (this batch row's global page ids: position p is row p % R of page table_ref[p // R]);
+  words_ref [T, W] int32 (this batch row's packed mask). Then the outputs: o_ref [T, Hq, Dh] with
+  one split, else the partials acc_ref [T, Hq, Dh] f32, m_ref and l_ref [T, Hq] f32 (this batch row
+  and split).
   """
   block_r, block_k, block_t = shapes.block_r, shapes.block_k, shapes.block_t
-  cache_len = k_ref.shape[0]
+  table_ref, out_refs = (None, refs) if page_rows is None else (refs[0], refs[1:])
+  cache_len = k_ref.shape[0] if page_rows is None else table_ref.shape[0] * page_rows
   prefix = prefix_ref[pl.program_id(0)]
   split = pl.program_id(3)
   rows = pl.program_id(2) * block_r + jnp.arange(block_r)
@@ -211,11 +215,19 @@ def _kernel(prefix_ref, q_ref, k_ref, v_ref, words_ref, *out_refs, shapes: Launc
            jnp.full((block_r,), -jnp.inf, jnp.float32),
            jnp.zeros((block_r,), jnp.float32))
 
+  def rows_at(ref, start, size):
+    """``ref``'s rows at cache positions start..start+size-1: a slice, or each position's page row."""
+    if page_rows is None:
+      return ref.at[pl.ds(start, size), :]
+    pos = start + jnp.arange(size)
+    page = table_ref[jnp.minimum(pos // page_rows, table_ref.shape[0] - 1)]     # positions past T' are masked
+    return ref.at[page[:, None], (pos % page_rows)[:, None], jnp.arange(head_dim)[None, :]]
+
   def key_block(start, size, valid):
-    """Keys/values at cache positions start..start+size-1, zero where not valid."""
-    k = plgpu.load(k_ref.at[pl.ds(start, size), :], mask=valid[:, None], other=0.0)
-    v = plgpu.load(v_ref.at[pl.ds(start, size), :], mask=valid[:, None], other=0.0)
-    return k, v
+    """Keys/values at cache positions start..start+size-1, zero where not valid (None: all valid)."""
+    mask = None if valid is None else valid[:, None]
+    return tuple(plgpu.load(rows_at(ref, start, size), mask=mask, other=None if valid is None else 0.0)
+                 for ref in (k_ref, v_ref))
 
   prefix_end = jnp.minimum(prefix, cache_len)
   prefix_blocks = pl.cdiv(prefix_end, block_k)
@@ -225,7 +237,7 @@ def _kernel(prefix_ref, q_ref, k_ref, v_ref, words_ref, *out_refs, shapes: Launc
   def prefix_step(masked: bool):
     def step(j, carry):
       if not masked:
-        k, v = k_ref[pl.ds(j * block_k, block_k), :], v_ref[pl.ds(j * block_k, block_k), :]
+        k, v = key_block(j * block_k, block_k, None)
         return _online_softmax_step(carry, plgpu.dot(q, k, trans_b=True) * qk_scale, None, v)
       valid = j * block_k + jnp.arange(block_k) < prefix_end
       k, v = key_block(j * block_k, block_k, valid)
@@ -279,42 +291,65 @@ def resolve_config(rows: int, tuning: KernelTuning | None = None, **overrides) -
   return dataclasses.replace(config, **{k: v for k, v in overrides.items() if v is not None})
 
 
-def tree_attention(q, k_cache, v_cache, prefix_len, block_mask, *, sm_scale: float | None = None,
-                   interpret: bool = False, block_r: int | None = None, block_k: int | None = None,
-                   num_splits: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
-                   tuning: KernelTuning | None = None, debug: bool = False):
-  """Tree-masked attention with the Pallas Triton kernel (shapes in the module docstring).
+def tree_attention(q, k_cache, v_cache, prefix_len, block_mask, **launch):
+  """Tree-masked attention with the Pallas Triton kernel over a contiguous cache (shapes in the module
+  docstring; ``launch``: ``_attend``'s keywords)."""
+  dims = check_problem(q, k_cache, v_cache, prefix_len, block_mask)
+  return _attend(q, k_cache, v_cache, prefix_len, block_mask, dims, **launch)
+
+
+def paged_tree_attention(q, k_pool, v_pool, table, prefix_len, block_mask, **launch):
+  """``tree_attention`` over paged caches: k_pool, v_pool [G, Pg, Hkv, R, Dh] read through table [B, T']
+  (``pallas_kernels.paging``) page row by page row inside the kernel, never gathered; ``launch``: ``_attend``'s
+  keywords."""
+  dims = check_paged(q, k_pool, v_pool, table, prefix_len, block_mask)
+  k, v, ids = flat_pages(k_pool, v_pool, table)
+  return _attend(q, k, v, prefix_len, block_mask, dims, table=ids, **launch)
+
+
+def _attend(q, k, v, prefix_len, block_mask, dims, *, table=None, sm_scale: float | None = None,
+            interpret: bool = False, block_r: int | None = None, block_k: int | None = None,
+            num_splits: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
+            tuning: KernelTuning | None = None, debug: bool = False):
+  """The launch for a checked problem ``dims`` = (B, T, Hq, Dh, Hkv, S): k, v a contiguous cache, or with
+  ``table`` [B, T'] (global page ids) pools [P, Hkv, R, Dh].
 
   The launch configuration comes from ``tuning`` (default: ``DEFAULT_TUNING``) by the
   problem's tile rows; ``block_r``, ``block_k``, ``num_splits``, ``num_warps`` and ``num_stages``
   given here override it (see ``launch_shapes``). ``interpret=True`` runs the kernel on any backend;
   ``debug=True`` prints the kernel jaxpr and, when lowered for a GPU, its Triton IR.
   """
-  batch, num_q, num_q_heads, head_dim, num_kv_heads, cache_len = check_problem(
-      q, k_cache, v_cache, prefix_len, block_mask)
-  if q.dtype != k_cache.dtype or q.dtype != v_cache.dtype or q.dtype not in SUPPORTED_DTYPES:
+  batch, num_q, num_q_heads, head_dim, num_kv_heads, cache_len = dims
+  if q.dtype != k.dtype or q.dtype != v.dtype or q.dtype not in SUPPORTED_DTYPES:
     raise KernelError(f"q, k_cache and v_cache must share one of float32/bfloat16/float16, "
-                       f"got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}.")
+                       f"got {q.dtype}, {k.dtype}, {v.dtype}.")
   rows = num_q_heads // max(num_kv_heads, 1) * num_q          # launch_shapes checks the head counts
   config = resolve_config(rows, tuning, block_r=block_r, block_k=block_k, num_splits=num_splits,
                           num_warps=num_warps, num_stages=num_stages)
   shapes = launch_shapes(batch, num_q, num_q_heads, num_kv_heads, head_dim, cache_len=cache_len - num_q,
                          **dataclasses.asdict(config))
   scale = head_dim ** -0.5 if sm_scale is None else sm_scale
-  return _launch(q, k_cache, v_cache, prefix_len, block_mask, shapes=shapes, qk_scale=scale * _LOG2E,
+  return _launch(q, k, v, prefix_len, block_mask, table=table, shapes=shapes, qk_scale=scale * _LOG2E,
                  interpret=interpret, debug=debug)
 
 
 @functools.partial(jax.jit, static_argnames=("shapes", "qk_scale", "interpret", "debug"))
-def _launch(q, k_cache, v_cache, prefix_len, block_mask, *, shapes: LaunchShapes, qk_scale: float,
+def _launch(q, k_cache, v_cache, prefix_len, block_mask, *, table, shapes: LaunchShapes, qk_scale: float,
             interpret: bool, debug: bool):
-  """The pallas_call of ``tree_attention`` for checked inputs and their launch shapes."""
+  """The pallas_call of ``_attend`` for checked inputs and their launch shapes (``table`` None: a contiguous
+  cache [B, Hkv, S, Dh], else pools [P, Hkv, R, Dh] and table [B, T'])."""
   batch, num_q, num_q_heads, head_dim = q.shape
-  num_kv_heads, cache_len = k_cache.shape[1:3]
+  num_kv_heads = k_cache.shape[1]
+  page_rows = None if table is None else k_cache.shape[2]
   kernel = functools.partial(_kernel, shapes=shapes, group=num_q_heads // num_kv_heads,
-                             num_q=num_q, qk_scale=qk_scale)
+                             num_q=num_q, qk_scale=qk_scale, page_rows=page_rows)
   per_batch_q = pl.BlockSpec((None, num_q, num_q_heads, head_dim), lambda b, h, r, s: (b, 0, 0, 0))
-  per_head_kv = pl.BlockSpec((None, None, cache_len, head_dim), lambda b, h, r, s: (b, h, 0, 0))
+  if table is None:
+    per_head_kv = pl.BlockSpec((None, None, k_cache.shape[2], head_dim), lambda b, h, r, s: (b, h, 0, 0))
+    paging, tables = [], ()
+  else:
+    per_head_kv = pl.BlockSpec((k_cache.shape[0], None, page_rows, head_dim), lambda b, h, r, s: (0, h, 0, 0))
+    paging, tables = [pl.BlockSpec((None, table.shape[1]), lambda b, h, r, s: (b, 0))], (table,)
   if shapes.num_splits == 1:
     out_specs, out_shape = per_batch_q, jax.ShapeDtypeStruct(q.shape, q.dtype)
   else:
@@ -327,12 +362,12 @@ def _launch(q, k_cache, v_cache, prefix_len, block_mask, *, shapes: LaunchShapes
       kernel,
       grid=shapes.grid,
       in_specs=[pl.BlockSpec((batch,), lambda b, h, r, s: (0,)), per_batch_q, per_head_kv, per_head_kv,
-                pl.BlockSpec((None, num_q, shapes.mask_words), lambda b, h, r, s: (b, 0, 0))],
+                pl.BlockSpec((None, num_q, shapes.mask_words), lambda b, h, r, s: (b, 0, 0)), *paging],
       out_specs=out_specs,
       out_shape=out_shape,
       compiler_params=plgpu.CompilerParams(num_warps=shapes.num_warps, num_stages=shapes.num_stages),
       interpret=interpret,
       debug=debug,
       name="tree_attention",
-  )(prefix_len.astype(jnp.int32), q, k_cache, v_cache, pack_block_mask(block_mask, shapes.mask_words))
+  )(prefix_len.astype(jnp.int32), q, k_cache, v_cache, pack_block_mask(block_mask, shapes.mask_words), *tables)
   return out if shapes.num_splits == 1 else combine_splits(*out, q.dtype)
