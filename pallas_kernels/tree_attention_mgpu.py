@@ -61,6 +61,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.errors import KernelError, check_heads, check_problem
+from pallas_kernels.paging import check_paged, flat_pages
 
 SUPPORTED_HEAD_DIMS = (64, 128)
 SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16)
@@ -87,7 +88,9 @@ class MosaicLaunch:
   of a tile that travel through HBM (q in, output or partials out): BLOCK_R, or with a single tile
   its real rows rounded up to 8 (a decode step with group 4 moves 8 rows, not 64; the tile's other
   rows are never loaded, and rows do not mix);
-  grid: (row_tiles, num_splits, kv heads, batch).
+  grid: (row_tiles, num_splits, kv heads, batch); page_rows: rows per page of a paged cache (0: contiguous);
+  copies: TMA boxes per k or v block, each of gcd(block_k, page_rows) rows so that none crosses a page
+  (1 when contiguous).
   """
   block_k: int
   num_stages: int
@@ -98,6 +101,8 @@ class MosaicLaunch:
   row_tiles: int
   tile_rows: int
   grid: tuple[int, int, int, int]
+  page_rows: int = 0
+  copies: int = 1
 
   def smem_bytes(self) -> int:
     """Shared memory of one program (16-bit operands; the float32 partial tile when split)."""
@@ -109,8 +114,9 @@ class MosaicLaunch:
 
 def launch_shapes(batch: int, num_q: int, num_q_heads: int, num_kv_heads: int, head_dim: int, *,
                   cache_len: int, block_k: int = 64, num_stages: int | None = None, num_splits: int | None = None,
-                  target_programs: int = NUM_SMS, min_split_keys: int = 512) -> MosaicLaunch:
-  """Tile sizes and grid for a problem; raises ``KernelError`` for unsupported shapes.
+                  target_programs: int = NUM_SMS, min_split_keys: int = 512, page_rows: int = 0) -> MosaicLaunch:
+  """Tile sizes and grid for a problem (``page_rows``: of a paged cache; 0: contiguous); raises ``KernelError``
+  for unsupported shapes.
 
   ``num_splits=None`` picks enough splits for about ``target_programs`` programs (one wave of an
   H200's 132 SMs; a program's ring fills most of an SM's shared memory), at most one per
@@ -136,7 +142,8 @@ def launch_shapes(batch: int, num_q: int, num_q_heads: int, num_kv_heads: int, h
   launch = MosaicLaunch(block_k=block_k, num_stages=num_stages or MAX_STAGES, head_dim=head_dim,
                         mask_words=pl.cdiv(num_q, MASK_BITS), num_splits=num_splits,
                         min_split_blocks=min_split_blocks, row_tiles=row_tiles,
-                        tile_rows=min(BLOCK_R, 8 * pl.cdiv(rows, 8)), grid=(row_tiles, num_splits, num_kv_heads, batch))
+                        tile_rows=min(BLOCK_R, 8 * pl.cdiv(rows, 8)), grid=(row_tiles, num_splits, num_kv_heads, batch),
+                        page_rows=page_rows, copies=block_k // math.gcd(block_k, page_rows) if page_rows else 1)
   while num_stages is None and launch.num_stages > 1 and launch.smem_bytes() > MAX_SMEM_BYTES:
     launch = dataclasses.replace(launch, num_stages=launch.num_stages - 1)
   if launch.smem_bytes() > MAX_SMEM_BYTES:
@@ -170,17 +177,21 @@ def _kernel(prefix_ref, q_ref, k_ref, v_ref, words_ref, *refs, launch: MosaicLau
   """One (row tile, split, kv head, batch row) program.
 
   Refs (GMEM): prefix_ref [B] int32; q_ref [B, Hkv, R, Dh] (R = row_tiles x tile_rows);
-  k_ref, v_ref [B, Hkv, S, Dh]; words_ref [B, W, row_tiles x BLOCK_R] int32. Outputs: o_ref
+  k_ref, v_ref [B, Hkv, S, Dh], or with ``launch.page_rows`` the pools [P, Hkv, page_rows, Dh];
+  words_ref [B, W, row_tiles x BLOCK_R] int32; when paged, table_ref [B, T'] int32 (global page ids:
+  position p of row b is row p % page_rows of page table_ref[b, p // page_rows]). Outputs: o_ref
   [B, Hkv, R, Dh] with one split, else acc_ref [B, Hkv, P, R, Dh] f32 and m_ref, l_ref [B, Hkv, P, R]
   f32. Then the scratch (``_scratch``).
   """
-  block_k, stages = launch.block_k, launch.num_stages
+  block_k, stages, page_rows = launch.block_k, launch.num_stages, launch.page_rows
+  if page_rows:
+    table_ref, *refs = refs
   outs, (q_smem, k_smem, v_smem, p_smem, words_smem, part_smem, bars, k_bars, v_bars) = refs[:-9], refs[-9:]
   tile, split = lax.axis_index("tile"), lax.axis_index("split")
   head, batch = lax.axis_index("head"), lax.axis_index("batch")
   rows = pl.ds(tile * launch.tile_rows, launch.tile_rows)
   in_hbm = lambda ref: ref.at[pl.ds(0, launch.tile_rows)]   # the tile's rows that HBM holds
-  cache_len = k_ref.shape[2]
+  cache_len = table_ref.shape[1] * page_rows if page_rows else k_ref.shape[2]
   dtype = q_ref.dtype
 
   plgpu.copy_gmem_to_smem(q_ref.at[batch, head, rows], in_hbm(q_smem), bars.at[0])
@@ -191,13 +202,23 @@ def _kernel(prefix_ref, q_ref, k_ref, v_ref, words_ref, *refs, launch: MosaicLau
   mid = jnp.clip(prefix // block_k, first, last)     # blocks before mid lie wholly in the prefix
 
   def start_of(j):
-    return jnp.minimum(j * block_k, cache_len - block_k)
+    """The first cache position of block j's box (a contiguous cache's last box shifted back in bounds)."""
+    return j * block_k if page_rows else jnp.minimum(j * block_k, cache_len - block_k)
+
+  def rows_at(ref, start, size):
+    """GMEM rows of cache positions start .. start + size - 1 (within one page when paged)."""
+    if not page_rows:
+      return ref.at[batch, head, pl.ds(start, size)]
+    page = table_ref[batch, jnp.minimum(start // page_rows, table_ref.shape[1] - 1)]   # past T': masked rows
+    return ref.at[page, head, pl.ds(lax.rem(start, page_rows), size)]
 
   def fetch(j):
     slot = lax.rem(j - first, stages)
-    keys = pl.ds(start_of(j), block_k)
-    plgpu.copy_gmem_to_smem(k_ref.at[batch, head, keys], k_smem.at[slot], k_bars.at[slot])
-    plgpu.copy_gmem_to_smem(v_ref.at[batch, head, keys], v_smem.at[slot], v_bars.at[slot])
+    piece = block_k // launch.copies
+    for i in range(launch.copies):                     # boxes of whole pages' rows when paged
+      box = pl.ds(i * piece, piece)
+      for ref, smem, bar in ((k_ref, k_smem, k_bars), (v_ref, v_smem, v_bars)):
+        plgpu.copy_gmem_to_smem(rows_at(ref, start_of(j) + i * piece, piece), smem.at[slot, box], bar.at[slot])
 
   for i in range(stages):
     pl.when(first + i < last)(functools.partial(fetch, first + i))
@@ -297,8 +318,8 @@ def _scratch(launch: MosaicLaunch, dtype):
           plgpu.SMEM(ring, dtype, transforms=operand), plgpu.SMEM(ring, dtype, transforms=operand),
           plgpu.SMEM((BLOCK_R, launch.block_k), dtype, transforms=operand),
           plgpu.SMEM((launch.mask_words, BLOCK_R), jnp.int32), parts,
-          plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=launch.num_stages),
-          plgpu.Barrier(num_barriers=launch.num_stages)]
+          plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_arrivals=launch.copies, num_barriers=launch.num_stages),
+          plgpu.Barrier(num_arrivals=launch.copies, num_barriers=launch.num_stages)]
 
 
 def combine_splits(acc: jax.Array, m: jax.Array, l: jax.Array, dtype) -> jax.Array:
@@ -311,11 +332,31 @@ def combine_splits(acc: jax.Array, m: jax.Array, l: jax.Array, dtype) -> jax.Arr
   return (num / jnp.where(den == 0.0, 1.0, den)[..., None]).astype(dtype)
 
 
-def tree_attention(q, k_cache, v_cache, prefix_len, block_mask, *, sm_scale: float | None = None,
-                   interpret: bool | plgpu.InterpretGPUParams = False, block_k: int = 64,
-                   num_stages: int | None = None, num_splits: int | None = None, target_programs: int = NUM_SMS,
-                   min_split_keys: int = 512, p_from_smem: bool | None = None):
-  """Tree-masked attention with the Mosaic GPU kernel (shapes and design in the module docstring).
+def tree_attention(q, k_cache, v_cache, prefix_len, block_mask, **launch):
+  """Tree-masked attention with the Mosaic GPU kernel over a contiguous cache (shapes and design in the module
+  docstring; ``launch``: ``_attend``'s keywords). S must be a multiple of ``CACHE_ROWS_MULTIPLE``."""
+  dims = check_problem(q, k_cache, v_cache, prefix_len, block_mask)
+  if dims[-1] % CACHE_ROWS_MULTIPLE:
+    raise KernelError(f"the Mosaic GPU kernel needs a cache length that is a multiple of {CACHE_ROWS_MULTIPLE} "
+                      f"(its TMA boxes start at multiples of {CACHE_ROWS_MULTIPLE} rows), got {dims[-1]}.")
+  return _attend(q, k_cache, v_cache, prefix_len, block_mask, dims, **launch)
+
+
+def paged_tree_attention(q, k_pool, v_pool, table, prefix_len, block_mask, **launch):
+  """``tree_attention`` over paged caches: k_pool, v_pool [G, Pg, Hkv, R, Dh] read through table [B, T']
+  (``pallas_kernels.paging``): each key block's rows come page by page, one TMA box per page (or per
+  gcd(block_k, R) rows), from page ids the kernel loads; nothing is gathered. ``launch``: ``_attend``'s keywords."""
+  dims = check_paged(q, k_pool, v_pool, table, prefix_len, block_mask)
+  k, v, ids = flat_pages(k_pool, v_pool, table)
+  return _attend(q, k, v, prefix_len, block_mask, dims, table=ids, **launch)
+
+
+def _attend(q, k, v, prefix_len, block_mask, dims, *, table=None, sm_scale: float | None = None,
+            interpret: bool | plgpu.InterpretGPUParams = False, block_k: int = 64, num_stages: int | None = None,
+            num_splits: int | None = None, target_programs: int = NUM_SMS, min_split_keys: int = 512,
+            p_from_smem: bool | None = None):
+  """The launch for a checked problem ``dims`` = (B, T, Hq, Dh, Hkv, S): k, v a contiguous cache, or with
+  ``table`` [B, T'] (global page ids) pools [P, Hkv, R, Dh].
 
   bfloat16 or float16 only (float32 raises ``KernelError``). ``interpret=True`` (or an
   ``InterpretGPUParams``, e.g. with race detection) runs the kernel in the Mosaic GPU interpreter on
@@ -323,31 +364,29 @@ def tree_attention(q, k_cache, v_cache, prefix_len, block_mask, *, sm_scale: flo
   set the launch (``launch_shapes``); ``p_from_smem`` (default: only when interpreting) stages p in
   shared memory for p @ v.
   """
-  batch, num_q, num_q_heads, head_dim, num_kv_heads, cache_len = check_problem(
-      q, k_cache, v_cache, prefix_len, block_mask)
-  if cache_len % CACHE_ROWS_MULTIPLE:
-    raise KernelError(f"the Mosaic GPU kernel needs a cache length that is a multiple of {CACHE_ROWS_MULTIPLE} "
-                      f"(its TMA boxes start at multiples of {CACHE_ROWS_MULTIPLE} rows), got {cache_len}.")
-  if q.dtype != k_cache.dtype or q.dtype != v_cache.dtype or q.dtype not in SUPPORTED_DTYPES:
+  batch, num_q, num_q_heads, head_dim, num_kv_heads, cache_len = dims
+  if q.dtype != k.dtype or q.dtype != v.dtype or q.dtype not in SUPPORTED_DTYPES:
     raise KernelError(f"the Mosaic GPU tree attention takes q, k_cache and v_cache all bfloat16 or all "
-                      f"float16 (wgmma), got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}.")
+                      f"float16 (wgmma), got {q.dtype}, {k.dtype}, {v.dtype}.")
   launch = launch_shapes(batch, num_q, num_q_heads, num_kv_heads, head_dim, cache_len=cache_len,
                          block_k=block_k, num_stages=num_stages, num_splits=num_splits,
-                         target_programs=target_programs, min_split_keys=min_split_keys)
+                         target_programs=target_programs, min_split_keys=min_split_keys,
+                         page_rows=0 if table is None else k.shape[2])
   if interpret is True:
     if not hasattr(plgpu, "InterpretGPUParams"):
       raise KernelError(f"the Mosaic GPU kernel runs off a GPU only in the Mosaic GPU interpreter of jax >= 0.12, "
                         f"not jax {jax.__version__}.")
     interpret = plgpu.InterpretGPUParams()
   scale = head_dim ** -0.5 if sm_scale is None else sm_scale
-  return _launch(q, k_cache, v_cache, prefix_len, block_mask, launch=launch, qk_scale=scale * _LOG2E,
+  return _launch(q, k, v, prefix_len, block_mask, table, launch=launch, qk_scale=scale * _LOG2E,
                  interpret=interpret or None, p_from_smem=bool(interpret) if p_from_smem is None else p_from_smem)
 
 
 @functools.partial(jax.jit, static_argnames=("launch", "qk_scale", "interpret", "p_from_smem"))
-def _launch(q, k_cache, v_cache, prefix_len, block_mask, *, launch: MosaicLaunch, qk_scale: float,
+def _launch(q, k_cache, v_cache, prefix_len, block_mask, table, *, launch: MosaicLaunch, qk_scale: float,
             interpret, p_from_smem: bool):
-  """Lays q and the mask out in tile rows, runs the kernel, merges splits and folds the rows back."""
+  """Lays q and the mask out in tile rows, runs the kernel, merges splits and folds the rows back (``table``
+  None: a contiguous cache, else pools [P, Hkv, R, Dh] read through it)."""
   batch, num_q, num_q_heads, head_dim = q.shape
   num_kv_heads = k_cache.shape[1]
   group = num_q_heads // num_kv_heads
@@ -356,7 +395,7 @@ def _launch(q, k_cache, v_cache, prefix_len, block_mask, *, launch: MosaicLaunch
   rows_q = jnp.pad(rows_q.reshape(batch, num_kv_heads, num_q * group, head_dim),
                    ((0, 0), (0, 0), (0, num_rows - num_q * group), (0, 0)))
   words = pack_row_mask(block_mask, group, launch.row_tiles * BLOCK_R, launch.mask_words)
-  if k_cache.shape[2] < launch.block_k:                # a cache shorter than one key block
+  if table is None and k_cache.shape[2] < launch.block_k:     # a cache shorter than one key block
     pad = ((0, 0), (0, 0), (0, launch.block_k - k_cache.shape[2]), (0, 0))
     k_cache, v_cache = jnp.pad(k_cache, pad), jnp.pad(v_cache, pad)
   tiles = (batch, num_kv_heads, num_rows)
@@ -375,7 +414,7 @@ def _launch(q, k_cache, v_cache, prefix_len, block_mask, *, launch: MosaicLaunch
       grid_names=("tile", "split", "head", "batch"),
       compiler_params=plgpu.CompilerParams(approx_math=True),
       interpret=interpret,
-  )(prefix_len.astype(jnp.int32), rows_q, k_cache, v_cache, words)
+  )(prefix_len.astype(jnp.int32), rows_q, k_cache, v_cache, words, *(() if table is None else (table,)))
   if launch.num_splits > 1:
     out = combine_splits(*out, q.dtype)
   out = out[:, :, :num_q * group].reshape(batch, num_kv_heads, num_q, group, head_dim)
