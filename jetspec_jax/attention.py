@@ -16,6 +16,10 @@ kernel of ``pallas_kernels.tree_attention``; ``pallas_interpret`` runs it on CPU
 Pallas Mosaic GPU kernel for Hopper, ``pallas_kernels.tree_attention_mgpu``, 16-bit inputs only;
 ``mosaic_interpret`` runs it in jax >= 0.12's Mosaic GPU interpreter). The choice travels as a
 static value: a name, or an ``AttentionImpl`` that also carries the Triton kernel's launch tuning table.
+
+Paged caches (``paged_attention``): k_pool / v_pool [G, Pg, Hkv, R, Dh] and a page table [B, T'] of page ids
+within each row's group (``jetspec_jax.pages``) stand for the caches ``pages.gather`` makes of them. The XLA
+implementations attend over exactly that gathered copy; the kernels read the pages through the table.
 """
 from __future__ import annotations
 
@@ -27,6 +31,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from jetspec_jax import pages
 from jetspec_jax.errors import JetSpecError
 from pallas_kernels.errors import KernelError
 from pallas_kernels.reference import masked_attention, visible_keys, xla_attention
@@ -98,12 +103,46 @@ def chunked_attention(q, k_cache, v_cache, prefix_len, block_mask, *, sm_scale: 
   return out[:, :num_q]
 
 
-def _kernel_specs(mesh, batch: int, num_heads: int, num_kv: int):
-  """shard_map specs for the kernel: batch over ``data`` and heads over ``model`` where they divide."""
-  data = "data" if batch % mesh.shape["data"] == 0 else None
+def _kernel_specs(mesh, batch: int, num_heads: int, num_kv: int, groups: int | None = None):
+  """shard_map specs for the kernel: batch over ``data`` and heads over ``model`` where they divide. With
+  ``groups`` (paged): the inputs are q, the pools [G, Pg, Hkv, R, Dh] (groups over ``data`` with the batch), the
+  table [B, T'], prefix_len and block_mask."""
+  data = "data" if batch % mesh.shape["data"] == 0 and (groups or batch) % mesh.shape["data"] == 0 else None
   model = "model" if num_heads % mesh.shape["model"] == 0 and num_kv % mesh.shape["model"] == 0 else None
-  return (P(data, None, model, None), P(data, model, None, None), P(data, model, None, None), P(data),
-          P(data, None, None)), P(data, None, model, None)
+  caches = (P(data, model, None, None),) * 2 if groups is None else (P(data, None, model, None, None),) * 2 + (
+      P(data, None),)
+  return (P(data, None, model, None), *caches, P(data), P(data, None, None)), P(data, None, model, None)
+
+
+def _kernel(impl: str | AttentionImpl, paged: bool, sm_scale: float | None):
+  """The kernel entry point of a kernel implementation (contiguous or ``paged``), its launch options bound."""
+  impl, tuning = (impl.name, impl.tuning) if isinstance(impl, AttentionImpl) else (impl, None)
+  if impl in ("mosaic", "mosaic_interpret"):
+    from pallas_kernels import tree_attention_mgpu as kernel
+    options = dict(interpret=impl == "mosaic_interpret")
+  elif impl in ("pallas", "pallas_interpret"):
+    from pallas_kernels import tree_attention as kernel
+    options = dict(interpret=impl == "pallas_interpret", tuning=tuning)
+  else:
+    raise JetSpecError(f"unknown attention implementation {impl!r}; choose one of {', '.join(IMPLEMENTATIONS)}")
+  entry = kernel.paged_tree_attention if paged else kernel.tree_attention
+  return functools.partial(entry, sm_scale=sm_scale, **options)
+
+
+def _run_kernel(fn, mesh, specs, *args):
+  """``fn(*args)``, per shard under a ``mesh`` (shard_map with ``specs``); kernel errors as ``JetSpecError``."""
+  if mesh is not None and mesh.size > 1:
+    fn = jax.shard_map(fn, mesh=mesh, in_specs=specs[0], out_specs=specs[1], check_vma=False)
+  try:
+    return fn(*args)
+  except KernelError as e:
+    raise JetSpecError(str(e)) from None
+
+
+def _xla(impl: str | AttentionImpl):
+  """The XLA implementation of ``impl`` (``xla`` or ``xla_chunked``), or None for a kernel."""
+  name = impl.name if isinstance(impl, AttentionImpl) else impl
+  return {"xla": xla_attention, "xla_chunked": chunked_attention}.get(name)
 
 
 def attention(q, k_cache, v_cache, prefix_len, block_mask, *, impl: str | AttentionImpl = "xla",
@@ -111,24 +150,23 @@ def attention(q, k_cache, v_cache, prefix_len, block_mask, *, impl: str | Attent
   """Dispatch to an implementation (a static choice: a name or an ``AttentionImpl``). Under a ``mesh``
   the kernel runs per shard (shard_map over batch and heads); XLA's attention is partitioned by the
   compiler. The kernel's input errors come out as ``JetSpecError``."""
-  impl, tuning = (impl.name, impl.tuning) if isinstance(impl, AttentionImpl) else (impl, None)
-  if impl == "xla":
-    return xla_attention(q, k_cache, v_cache, prefix_len, block_mask, sm_scale=sm_scale)
-  if impl == "xla_chunked":
-    return chunked_attention(q, k_cache, v_cache, prefix_len, block_mask, sm_scale=sm_scale)
-  if impl in ("mosaic", "mosaic_interpret"):
-    from pallas_kernels import tree_attention_mgpu as mosaic
-    fn = functools.partial(mosaic.tree_attention, sm_scale=sm_scale, interpret=impl == "mosaic_interpret")
-  elif impl in ("pallas", "pallas_interpret"):
-    from pallas_kernels import tree_attention as kernel
-    fn = functools.partial(kernel.tree_attention, sm_scale=sm_scale, interpret=impl == "pallas_interpret",
-                           tuning=tuning)
-  else:
-    raise JetSpecError(f"unknown attention implementation {impl!r}; choose one of {', '.join(IMPLEMENTATIONS)}")
-  if mesh is not None and mesh.size > 1:
-    in_specs, out_specs = _kernel_specs(mesh, q.shape[0], q.shape[2], k_cache.shape[1])
-    fn = jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
-  try:
-    return fn(q, k_cache, v_cache, prefix_len, block_mask)
-  except KernelError as e:
-    raise JetSpecError(str(e)) from None
+  if xla := _xla(impl):
+    return xla(q, k_cache, v_cache, prefix_len, block_mask, sm_scale=sm_scale)
+  specs = None if mesh is None else _kernel_specs(mesh, q.shape[0], q.shape[2], k_cache.shape[1])
+  return _run_kernel(_kernel(impl, False, sm_scale), mesh, specs, q, k_cache, v_cache, prefix_len, block_mask)
+
+
+def paged_attention(q, k_pool, v_pool, table, prefix_len, block_mask, *, impl: str | AttentionImpl = "xla",
+                    sm_scale: float | None = None, mesh=None, length: int | None = None):
+  """``attention`` over page pools k_pool, v_pool [G, Pg, Hkv, R, Dh] read through ``table`` [B, T'] (the module
+  docstring): the result of ``attention`` over ``pages.gather`` of the pools' first ``length`` rows (None: the
+  table's T' x R). The XLA implementations attend over that gathered copy; the kernels read only the table's
+  first cdiv(length, R) pages, page by page, under a ``mesh`` per shard (pools' groups and the batch over
+  ``data``, heads over ``model``)."""
+  length = length or table.shape[1] * k_pool.shape[3]
+  if xla := _xla(impl):
+    return xla(q, pages.gather(k_pool, table, length), pages.gather(v_pool, table, length), prefix_len, block_mask,
+               sm_scale=sm_scale)
+  table = table[:, :pages.pages_for(length, k_pool.shape[3])]
+  specs = None if mesh is None else _kernel_specs(mesh, q.shape[0], q.shape[2], k_pool.shape[2], k_pool.shape[0])
+  return _run_kernel(_kernel(impl, True, sm_scale), mesh, specs, q, k_pool, v_pool, table, prefix_len, block_mask)

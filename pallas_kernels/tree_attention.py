@@ -18,6 +18,11 @@ mask; online softmax in float32 (exp2 domain). The ancestor mask
 travels bit-packed: int32 words [B, T, W], bit (t % 32) of word t // 32 of row i is
 block_mask[b, i, t].
 
+Paged caches (``paged_tree_attention``; layout in ``pallas_kernels.paging``): k and v are the pools
+[G x Pg, Hkv, R, Dh] with a table [B, T'] of global page ids (S = T' x R); a key block's rows are
+gathered from their pages, cache position p at row p % R of page table[b, p // R], with the page ids
+loaded inside the kernel; everything else is the contiguous kernel's.
+
 Prefix splits (flash-decoding). A small tree at batch 1 has only (kv heads x row blocks)
 programs, too few to pull the prefix through HBM at full bandwidth, so the prefix is cut into
 ``num_splits`` contiguous shares of whole key blocks, sized at run time from prefix_len[b] so that

@@ -25,6 +25,13 @@ positions >= n in the last block are zeroed in shared memory before p @ v, so ga
 past the tree never reaches the output. Scores are scaled into the exp2 domain; the online softmax
 keeps a row that has seen no key at m = -inf with exactly zero weight.
 
+Paged caches (``paged_tree_attention``; layout in ``pallas_kernels.paging``): k and v are the pools
+[G x Pg, Hkv, R, Dh] (R a multiple of 8) with a table [B, T'] of global page ids (S = T' x R). Block j
+is cache positions j * block_k .. + block_k (never shifted: a position past T' pages reads the last
+table entry's page, masked), copied as block_k / gcd(block_k, R) TMA boxes, each within one page
+(position p at row p % R of page table[b, p // R], the page id loaded from GMEM in the kernel); a
+slot's k and v barriers each expect that many arrivals. Everything else is the contiguous kernel's.
+
 Pipelining. Keys and values stream through a ring of ``num_stages`` shared-memory slots, each with
 its own TMA barrier for k and for v: the program issues the loads of the next ``num_stages``
 blocks ahead of the block it computes (q @ k^T can start before v of the same block lands), and

@@ -109,3 +109,28 @@ def test_the_engine_round_with_per_request_sampling_for_h200():
                                     sampling="per_request")
   assert mixed["while_loops"] == 2 and mixed["conditionals"] == 2, mixed
   assert all("jetspec_accept" in op or "jetspec_tree/cond" in op for op in mixed["control_flow"]), mixed["control_flow"]
+
+
+@needs_plugin
+def test_the_engine_round_reads_paged_pools_with_the_kernels_for_h200():
+  """The speculative engine round (best_nodes, 8 slots, one prefill lane) on 2 H200s over paged pools with
+  ``--attention mosaic`` and ``pallas``: it compiles, the kernel reads the pages itself (its custom calls in place
+  of XLA's attention, and no gathered copy of a pool: less temporary memory than ``xla``), and the round holds no
+  loop or conditional."""
+  from jetspec_jax.decode.speculative import TreeConfig
+  from jetspec_jax.train.trainer import build_head_config
+  c, target = small_case()
+  mesh = deviceless.h200_mesh(1, 2)
+  head_cfg = build_head_config(c, target, None)
+  plan = aot_memory.round_plan(512, 8, TreeConfig("best_nodes", 16, 7, head_cfg.depth))
+  rounds = {}
+  for attention in ("xla", "mosaic", "pallas"):
+    compiled = aot_memory.engine_program(target, head_cfg, plan, mesh, attention=attention)
+    text = compiled.as_text()
+    rounds[attention] = dict(loop_report(text), temp=compiled.memory_analysis().temp_size_in_bytes,
+                             mosaic=text.count('custom_call_target="mosaic_gpu_v2"'),
+                             triton=text.count('custom_call_target="__gpu$xla.gpu.triton"'))
+  for attention, call in (("mosaic", "mosaic"), ("pallas", "triton")):
+    r = rounds[attention]
+    assert r[call] > 0 and r["while_loops"] == 0 and r["conditionals"] == 0, (attention, r)
+    assert r["temp"] < rounds["xla"]["temp"], (attention, r["temp"], rounds["xla"]["temp"])

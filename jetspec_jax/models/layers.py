@@ -7,6 +7,7 @@ A layer does not own its attention pattern: the caller passes ``attend(q, k, v) 
 """
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import flax.struct
@@ -16,7 +17,7 @@ import numpy as np
 from flax import nnx
 
 from jetspec_jax import pages
-from jetspec_jax.attention import attention
+from jetspec_jax.attention import attention, paged_attention
 from jetspec_jax.models.params import param
 
 # attend(q [B,T,Hq,Dh], k, v [B,Hkv,T,Dh]) -> (out [B,T,Hq,Dh], whatever the caller keeps, e.g. a cache layer)
@@ -57,12 +58,16 @@ def write_rows(cache: jax.Array, rows: jax.Array, start: jax.Array, table: jax.A
   return jax.vmap(one)(cache, rows, start.astype(jnp.int32))
 
 
-def read_rows(cache: jax.Array, length: int | None, table: jax.Array | None = None) -> jax.Array:
-  """Each sequence's first ``length`` rows (None: all it can hold) as [B, Hkv, length, Dh], from a contiguous
-  cache or (``table``) a page pool."""
-  if table is None:
-    return cache[:, :, :length]
-  return pages.gather(cache, table, length or table.shape[1] * cache.shape[3])
+def attend_cache(q, k_cache, v_cache, start, block_mask, impl, mesh, length: int | None = None,
+                 table: jax.Array | None = None, sequences=lambda x: x) -> jax.Array:
+  """``attention`` of q over the caches' first ``length`` rows (None: all), contiguous [B', Hkv, S, Dh] or (``table``
+  [B', T']) page pools read through the table (``paged_attention``); ``sequences`` maps the caches' (or the
+  table's) B' rows to q's B (e.g. the prefill lanes' sequences)."""
+  if table is not None:
+    return paged_attention(q, k_cache, v_cache, sequences(table), start, block_mask, impl=impl, mesh=mesh,
+                           length=length)
+  seen = lambda c: sequences(c[:, :, :length])
+  return attention(q, seen(k_cache), seen(v_cache), start, block_mask, impl=impl, mesh=mesh)
 
 
 @flax.struct.dataclass
@@ -166,7 +171,7 @@ class PackedRows:
 def _attend_packed(packed: PackedRows, kv, start, block_mask, q, k, v, impl, mesh, table):
   """``cached_attention`` for packed rows: the decode rows' keys and values written at ``packed.write_start``, the
   lanes' at their own rows, then the decode rows attend from ``start`` in the [B, N] layout and each lane over
-  its sequence's cache rows (read, never copied back)."""
+  its sequence's cache rows (read, never copied back; with a ``table``, read page by page by the kernels)."""
   heads_last = lambda x: x.transpose(0, 2, 1, 3)                      # [G, Hkv, K, Dh] <-> [G, K, Hkv, Dh]
   q_d, q_l = packed.split(q)
   groups, k_rows = packed.slot.shape
@@ -178,13 +183,13 @@ def _attend_packed(packed: PackedRows, kv, start, block_mask, q, k, v, impl, mes
     seq, at = packed.lane_cache_rows()
     k_cache = packed.put_rows(k_cache, lane_kv(k), seq, at, table)
     v_cache = packed.put_rows(v_cache, lane_kv(v), seq, at, table)
-  k_seen, v_seen = read_rows(k_cache, packed.key_len, table), read_rows(v_cache, packed.key_len, table)
-  out = packed.gather(attention(packed.scatter(q_d), k_seen, v_seen, start, block_mask, impl=impl, mesh=mesh))
+  seen = functools.partial(attend_cache, k_cache=k_cache, v_cache=v_cache, impl=impl, mesh=mesh,
+                           length=packed.key_len, table=table)
+  out = packed.gather(seen(packed.scatter(q_d), start=start, block_mask=block_mask))
   if packed.num_lanes:
     rows = packed.lane_rows
     causal = jnp.broadcast_to(jnp.tril(jnp.ones((rows, rows), bool)), (q_l.shape[0], rows, rows))
-    lane_out = attention(q_l, packed.lane_sequences(k_seen), packed.lane_sequences(v_seen),
-                         packed.lane_start.reshape(-1), causal, impl=impl, mesh=mesh)
+    lane_out = seen(q_l, start=packed.lane_start.reshape(-1), block_mask=causal, sequences=packed.lane_sequences)
     out = jnp.concatenate([out, lane_out.reshape((groups, -1) + lane_out.shape[2:])], axis=1)
   return out, (k_cache, v_cache)
 
@@ -198,15 +203,14 @@ def cached_attention(kv: tuple[jax.Array, jax.Array] | None, start: jax.Array | 
   cache) the rows see only each other and nothing is kept. ``packed``: the rows arrive packed
   (``PackedRows``; block_mask [B, N, N] for the decode rows) and the result is packed again. ``table`` [B, T']:
   ``kv`` are page pools [G, Pg, Hkv, R, Dh] (``jetspec_jax.pages``): rows are written through the table and
-  attention reads each sequence's pages gathered."""
+  attention reads each sequence's pages through it (``paged_attention``)."""
   def attend(q, k, v):
     if kv is None:
       return attention(q, k, v, jnp.zeros((q.shape[0],), jnp.int32), block_mask, impl=impl, mesh=mesh), None
     if packed is not None:
       return _attend_packed(packed, kv, start, block_mask, q, k, v, impl, mesh, table)
     k_cache, v_cache = write_rows(kv[0], k, start, table), write_rows(kv[1], v, start, table)
-    seen = lambda c: read_rows(c, None, table)
-    return attention(q, seen(k_cache), seen(v_cache), start, block_mask, impl=impl, mesh=mesh), (k_cache, v_cache)
+    return attend_cache(q, k_cache, v_cache, start, block_mask, impl, mesh, table=table), (k_cache, v_cache)
   return attend
 
 
