@@ -294,7 +294,7 @@ def paged_case(name: str, c: ml_collections.ConfigDict, target: Qwen3Config, slo
   t0 = time.perf_counter()
   compiled = engine_program(target, head_cfg, plan, mesh)
   label = "contiguous-equivalent" if pages is None else "paged"
-  row = {"config": name, "program": f"{label} engine x{slots}, {context // 1024}k ctx, {pool} pages (per round)",
+  row = {"config": name, "program": f"{label} engine x{slots}, context {context}, {pool} pages (per round)",
          "mesh": f"1x{mesh.size}", **memory_row(compiled), "compile_s": time.perf_counter() - t0}
   return row, {"slots": slots, "context": context, "page_rows": page_rows, "pool_pages": pool,
                "max_pages_per_slot": plan.max_pages(head_cfg), "scratch_rows": plan.scratch_rows(head_cfg),
@@ -371,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
   p.add_argument("--engine-slots", type=int, default=0,
                  help="> 0: the engine's round at this many slots, greedy, sampled and per-request sampling")
   p.add_argument("--paged-slots", type=int, default=0,
-                 help="> 0: for the decode configs, the greedy speculative engine round at this many slots on ONE "
+                 help="> 0: the greedy speculative engine round at this many slots on ONE "
                       "device with its KV pool (--kv-pages / --kv-memory, --page-rows) and its contiguous equivalent")
   p.add_argument("--paged-context", type=int, default=32768, help="the paged rows' max context (prompt + new tokens)")
   _kv_flags(p, "the paged rows: ")
@@ -435,7 +435,7 @@ def main(argv: list[str] | None = None) -> int:
         programs.append((f"engine/x{args.engine_slots}/{sampling}", lambda sampling=sampling: decode_case(
             name, c, target, args.decode_len, 16, devices, args.engine_slots, "best_nodes", args.attention,
             sampling)))
-    if name in DECODE_CONFIGS and args.paged_slots:
+    if args.paged_slots:
       try:
         pages = _kv_pages(args, target, trainer.build_head_config(c, target, None), jnp.bfloat16, 1)
       except JetSpecError as e:
