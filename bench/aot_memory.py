@@ -408,6 +408,7 @@ def main(argv: list[str] | None = None) -> int:
           f"against {args.budget_gb:g} GB with {args.headroom_gb:g} GB headroom. XLA:CPU fuses differently from "
           f"XLA:GPU: an estimate. FLOPs: XLA's cost_analysis counts each while body once; hlo_tflop multiplies "
           f"loop bodies by their trip counts.", flush=True)
+  mix = sharegpt_lengths(args.mix_tokenizer, args.mix_requests, args.paged_context) if args.paged_slots else None
   rows, details = [], {}
   for name in names:
     c = load_config(name)
@@ -455,7 +456,6 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(row)
         print(format_table(rows[-1:], COLUMNS), flush=True)
       details[f"{name}/{kind}"] = info
-  mix = sharegpt_lengths(args.mix_tokenizer, args.mix_requests, args.paged_context) if args.paged_slots else None
   for key, info in details.items():
     if "/paged/" in key and "contiguous" not in key and mix is not None:
       row = next(r for r in rows if r["program"].startswith("paged") and r["config"] == key.split("/")[0])
