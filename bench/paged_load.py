@@ -37,8 +37,8 @@ from jetspec_jax.tokenizer import load_tokenizer
 
 GIB = 1 << 30
 DEFAULT_CONTEXTS = 4     # --kv-memory's default: this many slots' full contexts
-QUICK = {"requests": 8, "context": 512, "max_prompt": 256, "max_output": 16, "paged_slots": 4,
-         "shared_prefix": 64, "prefix_requests": 6, "prefix_output": 8}
+QUICK = {"requests": 8, "context": 512, "max_prompt": 256, "max_output": 16, "paged_slots": 8,
+         "key_buckets": 1, "shared_prefix": 64, "prefix_requests": 6, "prefix_output": 8}
 
 
 def summary(res: dict) -> dict:
