@@ -6,7 +6,10 @@ config's mesh, optimizer, batch and sequence length, the target's real shapes; w
 compiled without any weight being allocated; for the 8B and 30B-A3B targets a greedy speculative
 engine round (``engine.run_rounds``, one slot, tree budget 128, bf16, requests of ``--decode-len``
 committed positions, mesh 1 x 8) as well, and for the 8B target regeneration on its config's mesh
-(``--regen``: 8 slots, 8192-token prompts, 1024 new tokens; the AR engine with 64-row prefill lanes). Reported per device, from ``compiled.memory_analysis()``:
+(``--regen``: 8 slots, 8192-token prompts, 1024 new tokens; the AR engine with 64-row prefill lanes); with
+``--paged-slots`` the speculative engine round on ONE device with a KV pool of ``--kv-pages`` / ``--kv-memory`` and
+its contiguous equivalent (``pages=None``), and how many requests of the ShareGPT mix (``--mix-tokenizer``) the
+device's ``--usable-gib`` holds paged and contiguous. Reported per device, from ``compiled.memory_analysis()``:
 
 * ``args_gb`` / ``out_gb`` / ``alias_gb`` / ``temp_gb``: arguments, outputs, outputs aliasing donated
   arguments, XLA's temporaries; ``peak_gb`` = args + out - alias + temp (an upper bound: XLA may free
@@ -29,6 +32,8 @@ docs/gpu.md). Needs ``pip install "jax[cuda12]==<jax's version>" absl-py`` (abou
   XLA_FLAGS=--xla_force_host_platform_device_count=8 python bench/aot_memory.py          # every config
   XLA_FLAGS=--xla_force_host_platform_device_count=8 python bench/aot_memory.py --configs tiny --no-decode
   python bench/aot_memory.py --target h200 --configs qwen3_8b,qwen3_30b_a3b --gpu-programs --no-regen
+  python bench/aot_memory.py --target h200 --configs qwen3_8b --no-train --no-decode --no-regen --paged-slots 64 \
+      --kv-memory 108
 """
 from __future__ import annotations
 
