@@ -6,7 +6,10 @@ config's mesh, optimizer, batch and sequence length, the target's real shapes; w
 compiled without any weight being allocated; for the 8B and 30B-A3B targets a greedy speculative
 engine round (``engine.run_rounds``, one slot, tree budget 128, bf16, requests of ``--decode-len``
 committed positions, mesh 1 x 8) as well, and for the 8B target regeneration on its config's mesh
-(``--regen``: 8 slots, 8192-token prompts, 1024 new tokens; the AR engine with 64-row prefill lanes). Reported per device, from ``compiled.memory_analysis()``:
+(``--regen``: 8 slots, 8192-token prompts, 1024 new tokens; the AR engine with 64-row prefill lanes); with
+``--paged-slots`` the speculative engine round on ONE device with a KV pool of ``--kv-pages`` / ``--kv-memory`` and
+its contiguous equivalent (``pages=None``), and how many requests of the ShareGPT mix (``--mix-tokenizer``) the
+device's ``--usable-gib`` holds paged and contiguous. Reported per device, from ``compiled.memory_analysis()``:
 
 * ``args_gb`` / ``out_gb`` / ``alias_gb`` / ``temp_gb``: arguments, outputs, outputs aliasing donated
   arguments, XLA's temporaries; ``peak_gb`` = args + out - alias + temp (an upper bound: XLA may free
@@ -29,6 +32,8 @@ docs/gpu.md). Needs ``pip install "jax[cuda12]==<jax's version>" absl-py`` (abou
   XLA_FLAGS=--xla_force_host_platform_device_count=8 python bench/aot_memory.py          # every config
   XLA_FLAGS=--xla_force_host_platform_device_count=8 python bench/aot_memory.py --configs tiny --no-decode
   python bench/aot_memory.py --target h200 --configs qwen3_8b,qwen3_30b_a3b --gpu-programs --no-regen
+  python bench/aot_memory.py --target h200 --configs qwen3_8b --no-train --no-decode --no-regen --paged-slots 64 \
+      --kv-memory 108
 """
 from __future__ import annotations
 
@@ -44,9 +49,11 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import ml_collections  # noqa: E402
+import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 from jetspec_jax import deviceless  # noqa: E402
+from jetspec_jax.cli import _kv_flags, _kv_pages  # noqa: E402
 from jetspec_jax.bench import format_table, hlo_dot_flops, loop_report, machine_info, save_results  # noqa: E402
 from jetspec_jax.config import Qwen3Config, parse_dtype  # noqa: E402
 from jetspec_jax.decode import speculative  # noqa: E402
@@ -76,6 +83,8 @@ TARGETS = {
 GB = 1e9
 COLUMNS = ("config", "program", "mesh", "args_gb", "out_gb", "alias_gb", "temp_gb", "peak_gb", "hlo_tflop",
            "hlo_vs_analytic", "kernels", "while_loops", "conditionals", "compile_s", "fits")
+CONCURRENCY = ("usable_gb", "kv_gb", "kv_pages", "prompt_mean", "reply_mean", "contiguous_requests", "paged_requests",
+               "paged_vs_contiguous")
 
 
 def abstract_params(specs, dtype, mesh) -> dict:
@@ -272,6 +281,62 @@ def ar_case(name: str, target: Qwen3Config, committed: int, batch: int, devices:
   return row, {"cache_positions": target_len, "batch": batch}
 
 
+def paged_case(name: str, c: ml_collections.ConfigDict, target: Qwen3Config, slots: int, context: int,
+               page_rows: int, pages: int | None, devices: tuple) -> tuple[dict, dict]:
+  """(table row, details) of the greedy speculative engine round (best_nodes, budget 16 per slot, width 7) at
+  ``slots`` slots of ``context`` committed positions (3/4 prompt, 1/4 new), bf16, on ``devices`` (mesh 1 x n), its
+  KV caches a pool of ``pages`` pages of ``page_rows`` rows (None: every slot's capacity, the contiguous
+  equivalent). Details: the weights' and the pool's bytes (args = weights + pool + the small state)."""
+  from jetspec_jax.decode.engine import page_bytes
+  mesh = make_mesh(1, len(devices), devices)
+  head_cfg = trainer.build_head_config(c, target, None)
+  tree = speculative.TreeConfig("best_nodes", 16, 7, head_cfg.depth)
+  plan = dataclasses.replace(round_plan(context, slots, tree), page_rows=page_rows, pages=pages)
+  pool = plan.pool_pages(head_cfg)
+  pool_gb = pool * page_bytes(target, head_cfg, page_rows, jnp.bfloat16) / GB
+  specs = {**qwen3.param_specs(target), **{f"head/{k}": v for k, v in draft_head.param_specs(head_cfg).items()}}
+  weights_gb = sum(int(np.prod(s.shape)) for s in specs.values()) * 2 / GB
+  t0 = time.perf_counter()
+  compiled = engine_program(target, head_cfg, plan, mesh)
+  label = "contiguous-equivalent" if pages is None else "paged"
+  row = {"config": name, "program": f"{label} engine x{slots}, context {context}, {pool} pages (per round)",
+         "mesh": f"1x{mesh.size}", **memory_row(compiled), "compile_s": time.perf_counter() - t0}
+  return row, {"slots": slots, "context": context, "page_rows": page_rows, "pool_pages": pool,
+               "max_pages_per_slot": plan.max_pages(head_cfg), "scratch_rows": plan.scratch_rows(head_cfg),
+               "page_bytes": page_bytes(target, head_cfg, page_rows, jnp.bfloat16), "pool_gb": pool_gb,
+               "weights_gb": weights_gb, "state_and_other_args_gb": row["args_gb"] - weights_gb - pool_gb}
+
+
+def sharegpt_lengths(tokenizer_dir: str, num: int, context: int) -> list[tuple[int, int]] | None:
+  """(prompt, reply) token counts of ``num`` ShareGPT requests (``load.sharegpt_requests``: prompts up to 3/4 of
+  ``context``, prompt + reply within it, replies uncapped) with the tokenizer at ``tokenizer_dir``; None without
+  it."""
+  if not os.path.isdir(tokenizer_dir):
+    return None
+  from jetspec_jax import load
+  from jetspec_jax.tokenizer import load_tokenizer
+  requests = load.sharegpt_requests(load_tokenizer(tokenizer_dir), num, max_output=context,
+                                    max_prompt=context - context // 4, context=context)
+  return [(len(r.prompt), r.max_new_tokens) for r in requests]
+
+
+def concurrency(paged: dict, info: dict, usable_gb: float, lengths: list[tuple[int, int]]) -> dict:
+  """Requests of the ShareGPT mix one device of ``usable_gb`` holds at once: its memory less what the paged round
+  needs besides its pool (weights, state, temporaries: the same for both engines) is KV memory; contiguous, every
+  request takes a slot's whole capacity; paged, the pages of its prompt, reply and one round's scratch rows."""
+  kv_gb = usable_gb - (paged["peak_gb"] - info["pool_gb"])
+  pages = int(kv_gb * GB // info["page_bytes"])
+  need = -(-(np.asarray([p + r for p, r in lengths]) + info["scratch_rows"]) // info["page_rows"])
+  contiguous = pages // info["max_pages_per_slot"]
+  paged_requests = int(pages / need.mean())
+  return {"usable_gb": usable_gb, "kv_gb": kv_gb, "kv_pages": pages, "requests_in_mix": len(lengths),
+          "prompt_mean": float(np.mean([p for p, _ in lengths])), "reply_mean": float(np.mean([r for _, r in lengths])),
+          "pages_per_request": {"mean": float(need.mean()), "p50": float(np.percentile(need, 50)),
+                                "p99": float(np.percentile(need, 99)), "max": int(need.max())},
+          "contiguous_requests": contiguous, "paged_requests": paged_requests,
+          "paged_vs_contiguous": paged_requests / max(contiguous, 1)}
+
+
 def regen_case(name: str, c: ml_collections.ConfigDict, target: Qwen3Config, batch: int, prompt: int,
                max_new: int, devices: tuple) -> tuple[list[dict], dict]:
   """(table rows, details) of regeneration on the config's mesh: the AR engine ``regenerate`` runs (``batch``
@@ -310,6 +375,17 @@ def main(argv: list[str] | None = None) -> int:
   p.add_argument("--attention", default="xla", help="attention implementation inside the decode programs")
   p.add_argument("--engine-slots", type=int, default=0,
                  help="> 0: the engine's round at this many slots, greedy, sampled and per-request sampling")
+  p.add_argument("--paged-slots", type=int, default=0,
+                 help="> 0: the greedy speculative engine round at this many slots on ONE "
+                      "device with its KV pool (--kv-pages / --kv-memory, --page-rows) and its contiguous equivalent")
+  p.add_argument("--paged-context", type=int, default=32768, help="the paged rows' max context (prompt + new tokens)")
+  _kv_flags(p, "the paged rows: ")
+  p.add_argument("--no-contiguous", action="store_true", help="the paged rows: skip compiling the contiguous equivalent")
+  p.add_argument("--usable-gib", type=float, default=139.0,
+                 help="the paged rows: device memory for the concurrent-requests figure (H200: 141 GB, 139 GiB usable)")
+  p.add_argument("--mix-tokenizer", default=os.path.expanduser("~/.cache/jetspec-jax/tokenizer"),
+                 help="the paged rows: the tokenizer of the ShareGPT mix (default: the demo's)")
+  p.add_argument("--mix-requests", type=int, default=1000, help="the paged rows: ShareGPT requests in the mix")
   p.add_argument("--moe-dispatch", choices=("auto", "loop", "gather"), default="auto",
                  help="MoE expert dispatch (models/moe.py; auto: loop on CPU, gather on GPU)")
   p.add_argument("--budget-gb", type=float, default=80.0)
@@ -323,18 +399,21 @@ def main(argv: list[str] | None = None) -> int:
   if args.target == "h200":
     try:
       devices = deviceless.h200_devices(8)
+      one_device = deviceless.h200_devices(1)
     except JetSpecError as e:
       p.error(str(e))
     print("AOT compile for 8 H200s (deviceless: jax's CUDA plugin, no GPU), abstract weights; per-device GB "
           f"against {args.budget_gb:g} GB with {args.headroom_gb:g} GB headroom.", flush=True)
   else:
     devices = tuple(jax.devices())
+    one_device = devices[:1]
     if len(devices) != 8:
       print(f"warning: {len(devices)} devices (set XLA_FLAGS=--xla_force_host_platform_device_count=8)")
     print(f"AOT compile on {len(devices)} {jax.default_backend()} devices, abstract weights; per-device GB "
           f"against {args.budget_gb:g} GB with {args.headroom_gb:g} GB headroom. XLA:CPU fuses differently from "
           f"XLA:GPU: an estimate. FLOPs: XLA's cost_analysis counts each while body once; hlo_tflop multiplies "
           f"loop bodies by their trip counts.", flush=True)
+  mix = sharegpt_lengths(args.mix_tokenizer, args.mix_requests, args.paged_context) if args.paged_slots else None
   rows, details = [], {}
   for name in names:
     c = load_config(name)
@@ -362,19 +441,37 @@ def main(argv: list[str] | None = None) -> int:
         programs.append((f"engine/x{args.engine_slots}/{sampling}", lambda sampling=sampling: decode_case(
             name, c, target, args.decode_len, 16, devices, args.engine_slots, "best_nodes", args.attention,
             sampling)))
+    if args.paged_slots:
+      try:
+        pages = _kv_pages(args, target, trainer.build_head_config(c, target, None), jnp.bfloat16, 1)
+      except JetSpecError as e:
+        p.error(str(e))
+      if pages is None:
+        p.error("--paged-slots needs the pool's size: --kv-pages or --kv-memory")
+      for pool in (pages,) if args.no_contiguous else (pages, None):
+        programs.append((f"paged/x{args.paged_slots}/{pool or 'contiguous'}", lambda pool=pool: paged_case(
+            name, c, target, args.paged_slots, args.paged_context, args.page_rows, pool, one_device)))
     if name in REGEN_CONFIGS and not args.no_regen:
       programs.append(("regen", lambda: regen_case(name, c, target, *map(int, args.regen.split(",")), devices)))
     for kind, run in programs:
       new_rows, info = run()
       for row in new_rows if isinstance(new_rows, list) else [new_rows]:
-        row["fits"] = row["peak_gb"] <= args.budget_gb - args.headroom_gb
+        limit = args.usable_gib * (1 << 30) / GB if kind.startswith("paged") else args.budget_gb - args.headroom_gb
+        row["fits"] = row["peak_gb"] <= limit
         rows.append(row)
         print(format_table(rows[-1:], COLUMNS), flush=True)
       details[f"{name}/{kind}"] = info
+  for key, info in details.items():
+    if "/paged/" in key and "contiguous" not in key and mix is not None:
+      row = next(r for r in rows if r["program"].startswith("paged") and r["config"] == key.split("/")[0])
+      info["concurrency"] = concurrency(row, info, args.usable_gib * (1 << 30) / GB, mix)
+      print(f"{key}: {format_table([info['concurrency']], CONCURRENCY)}")
+  if args.paged_slots and mix is None:
+    print(f"no tokenizer at {args.mix_tokenizer} (--mix-tokenizer): concurrent requests not computed")
   print()
   print(format_table(rows, COLUMNS))
   for row in rows:
-    if row["control_flow"]:
+    if row.get("control_flow"):
       print(f"{row['config']} {row['program']}: control flow per iteration from {', '.join(row['control_flow'])}")
   compiler = "XLA:GPU for H200 (deviceless)" if args.target == "h200" else "XLA:CPU fusion and scheduling differ " \
       "from XLA:GPU: temporaries are an estimate"

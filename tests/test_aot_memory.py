@@ -35,3 +35,25 @@ def test_regeneration_at_8b_width_is_memory_bounded(tmp_path):
   assert row["program"].startswith("regen x8, prompts 8192 + 1024"), row
   unchunked_scores_gb = 2 * 16 * 8192 * 9216 * 4 / 1e9        # per device on the 4x2 mesh: 9.7 GB per layer
   assert row["temp_gb"] < 0.5 * unchunked_scores_gb and row["fits"], row
+
+
+
+def test_paged_round_holds_its_pool_not_every_slots_context(tmp_path):
+  """The tiny config's speculative round at 4 slots of 512 positions with a 16-page pool: its arguments are the
+  weights, that pool and a small state, and the ShareGPT mix (a tokenizer trained here) fits more requests paged
+  than a slot's whole context each."""
+  from jetspec_jax.tokenizer import train_chat_tokenizer
+  tok = train_chat_tokenizer([f"the quick brown fox {i} jumps over the lazy dog" for i in range(40)], 300,
+                             str(tmp_path / "tok"))
+  out = tmp_path / "paged.json"
+  assert aot_memory.main(["--configs", "tiny", "--no-train", "--paged-slots", "4", "--paged-context", "512",
+                          "--kv-pages", "16", "--no-contiguous", "--mix-tokenizer", tok, "--mix-requests", "20",
+                          "--out", str(out)]) == 0
+  result = json.loads(out.read_text())
+  (row,) = result["rows"]
+  info = result["details"]["tiny/paged/x4/16"]
+  assert row["program"].startswith("paged engine x4, context 512, 16 pages") and row["fits"], row
+  assert info["pool_pages"] == 16 < 4 * info["max_pages_per_slot"], info
+  assert 0 < info["pool_gb"] and 0 <= info["state_and_other_args_gb"] < info["weights_gb"], info
+  c = info["concurrency"]
+  assert c["requests_in_mix"] == 20 and c["paged_requests"] > c["contiguous_requests"] > 0, c
