@@ -11,9 +11,9 @@ the paged engine's peak pages and preemptions.
 Part 2, a shared prefix (--shared-prefix N, 0: off): --prefix-requests requests whose prompts start with one
 N-token system prompt followed by each one's own ShareGPT turn (replies capped at --prefix-output), all at once
 through the paged engine (``Engine.for_requests``): TTFT p50 / p99 and the prompt rows the engine computed, with
-prefix caching on and off where the engine has ``prefix_caching``, else off only (said in the output).
-Prompt rows computed: the prompts' tokens less the rows a prefix cache supplied (``cached_rows`` of the engine's
-per-request results, where it reports them); rows recomputed after a preemption are not counted.
+prefix caching on and off, against the unique prompt rows (the system prompt once, and every request's own turn).
+Prompt rows computed: the prompts' tokens less the rows the prefix cache supplied (``cached_tokens`` of the
+engine's per-request results); rows recomputed after a preemption are not counted.
 
     python bench/paged_load.py --workdir ~/.cache/jetspec-jax --json docs/benchmark_runs/paged_load.json
     python bench/paged_load.py --workdir ~/.cache/jetspec-jax --quick      # a smoke run
@@ -23,7 +23,6 @@ Progress on stderr; tables on stdout; JSON (per-request rows dropped) to --json.
 from __future__ import annotations
 
 import argparse
-import inspect
 import sys
 
 import jax.numpy as jnp
@@ -147,25 +146,24 @@ def shared_prefix(s: Setup, say) -> dict:
   """Part 2 (module docstring)."""
   a = s.args
   prefix, requests = shared_prefix_requests(s)
-  has_caching = "prefix_caching" in inspect.signature(Engine.for_requests).parameters
-  sides = (True, False) if has_caching else (False,)
-  if not has_caching:
-    say("this engine has no prefix_caching: the shared-prefix workload runs without it only")
   pages = int(s.memory // s.page_size)
-  out = {"prefix_tokens": len(prefix), "requests": len(requests), "prefix_caching_available": has_caching,
-         "prompt_tokens": sum(len(r.prompt) for r in requests), "runs": {}}
-  for caching in sides:
-    kw = {"prefix_caching": caching} if has_caching else {}
+  prompt_tokens = sum(len(r.prompt) for r in requests)
+  unique = prompt_tokens - (len(requests) - 1) * len(prefix)
+  out = {"prefix_tokens": len(prefix), "requests": len(requests), "prompt_tokens": prompt_tokens,
+         "unique_prompt_rows": unique, "runs": {}}
+  for caching in (True, False):
     engine = Engine.for_requests(s.cfg, s.params, requests, slots=a.paged_slots, lanes=a.lanes,
                                  prefill_rows=a.prefill_rows, key_buckets=a.key_buckets, page_rows=a.page_rows,
-                                 pages=pages, eos_ids=(), **s.head_kw, **kw)
+                                 pages=pages, eos_ids=(), prefix_caching=caching, **s.head_kw)
     label = f"shared prefix, caching {'on' if caching else 'off'}"
     r = measured(engine, requests, say, label)
-    cached = sum(q.get("cached_rows", 0) for q in r["requests"])
+    computed = r["prompt_tokens_computed"]
     out["runs"]["caching" if caching else "no_caching"] = summary(r) | {
-        "prompt_rows_computed": out["prompt_tokens"] - cached}
+        "prompt_rows_computed": computed, "computed_vs_unique": computed / unique}
     say(f"{label}: TTFT p50 {r['ttft_s']['p50']:.2f}s p99 {r['ttft_s']['p99']:.2f}s, prompt rows computed "
-        f"{out['prompt_tokens'] - cached}, {r['tokens_per_s']:.0f} tokens/s")
+        f"{computed} ({computed / unique:.2f}x the unique rows), {r['tokens_per_s']:.0f} tokens/s")
+  runs = out["runs"]
+  out["ttft_p50_caching_vs_off"] = runs["caching"]["ttft_s"]["p50"] / runs["no_caching"]["ttft_s"]["p50"]
   return out
 
 
@@ -182,11 +180,10 @@ def tables(result: dict) -> str:
     sp = result["shared_prefix"]
     rows = [{"prefix caching": name, "requests": sp["requests"], "prefix tokens": sp["prefix_tokens"],
              "TTFT p50 s": r["ttft_s"]["p50"], "TTFT p99 s": r["ttft_s"]["p99"],
-             "prompt rows computed": r["prompt_rows_computed"], "tokens/s": r["tokens_per_s"]}
+             "prompt rows computed": r["prompt_rows_computed"], "x unique rows": r["computed_vs_unique"],
+             "tokens/s": r["tokens_per_s"]}
             for name, r in sp["runs"].items()]
-    lines.append(bench.format_table(rows))
-    if not sp["prefix_caching_available"]:
-      lines.append("(the engine has no prefix_caching: only the side without it ran)")
+    lines += [bench.format_table(rows), f"TTFT p50, caching on / off: {sp['ttft_p50_caching_vs_off']:.2f}x"]
   return "\n".join(lines)
 
 

@@ -176,12 +176,15 @@ def _kv_pages(args, cfg, head_cfg, dtype, groups: int) -> int | None:
 
 
 def _kv_flags(parser, prefix: str = "") -> None:
-  """--kv-pages / --kv-memory / --page-rows (``_kv_pages``)."""
+  """--kv-pages / --kv-memory / --page-rows (``_kv_pages``) and --no-prefix-caching."""
   parser.add_argument("--kv-pages", type=int, default=None,
                       help=f"{prefix}KV cache pages shared by all slots (default: every slot's full context)")
   parser.add_argument("--kv-memory", type=float, default=None,
                       help=f"{prefix}GiB of KV cache pages (target and head), instead of --kv-pages")
   parser.add_argument("--page-rows", type=int, default=16, help=f"{prefix}rows per KV page (a multiple of 8)")
+  parser.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
+                      help=f"{prefix}compute every prompt's rows (default: requests share the KV pages of a common "
+                           f"prompt prefix)")
 
 
 def _head_and_tree(args, cfg, dtype, mesh) -> dict:
@@ -265,6 +268,11 @@ def cmd_serve(args) -> dict:
   from jetspec_jax.convert import load_target, read_target_config
   from jetspec_jax.decode.engine import Engine, EnginePlan, Request
   from jetspec_jax.driver import Driver
+  if args.max_model_len is not None and args.max_model_len < 2:
+    raise JetSpecError(f"--max-model-len must be at least 2 (a prompt token and a new one), got {args.max_model_len}")
+  context = args.max_model_len
+  args.max_prompt = args.max_prompt or (512 if context is None else context - 1)
+  args.max_tokens = args.max_tokens or (256 if context is None else context - 1)
   for flag, value in (("--slots", args.slots), ("--max-prompt", args.max_prompt), ("--max-tokens", args.max_tokens),
                       ("--segment-rounds", args.segment_rounds), ("--prefill-rows", args.prefill_rows),
                       ("--max-waiting", 1 if args.max_waiting is None else args.max_waiting)):
@@ -278,9 +286,13 @@ def cmd_serve(args) -> dict:
   mesh = _mesh(args)
   dtype = _dtype(args.dtype)
   cfg, side = read_target_config(args.target)
-  if args.max_prompt + args.max_tokens > cfg.max_position_embeddings:
+  if context is not None and context > cfg.max_position_embeddings:
+    raise JetSpecError(f"--max-model-len {context} is more than the model's max_position_embeddings "
+                       f"({cfg.max_position_embeddings})")
+  if context is None and args.max_prompt + args.max_tokens > cfg.max_position_embeddings:
     raise JetSpecError(f"--max-prompt {args.max_prompt} plus --max-tokens {args.max_tokens} is more than the model's "
-                       f"max_position_embeddings ({cfg.max_position_embeddings})")
+                       f"max_position_embeddings ({cfg.max_position_embeddings}); give --max-model-len to bound "
+                       f"their sum")
   sampling_cfg, sources = _sampling(args, side)
   eos = _eos_ids(args, cfg)
   tokenizer = _load_tokenizer(side)
@@ -294,7 +306,8 @@ def cmd_serve(args) -> dict:
                     lanes=groups, prefill_rows=args.prefill_rows, max_prompt=args.max_prompt,
                     max_new_tokens=args.max_tokens, queue=-(-queue // groups), groups=groups, tree=tree,
                     key_buckets=args.key_buckets, per_request_sampling=not args.fixed_sampling,
-                    page_rows=args.page_rows, pages=pages)
+                    page_rows=args.page_rows, pages=pages, prefix_caching=args.prefix_caching,
+                    max_model_len=context)
   engine = Engine(cfg, params, plan, sampling_cfg=sampling_cfg, eos_ids=eos, attn_impl=impl, mesh=mesh, **head)
   say = _status_lines(args)
   say("compiling the engine's programs")
@@ -350,12 +363,18 @@ def cmd_regenerate(args) -> dict:
   impl = _attention(args)
   if args.max_prompt_tokens is not None and args.max_prompt_tokens < 1:
     raise JetSpecError(f"--max-prompt-tokens must be at least 1, got {args.max_prompt_tokens}")
+  if args.page_rows < 8 or args.page_rows % 8:
+    raise JetSpecError(f"--page-rows must be a positive multiple of 8, got {args.page_rows}")
+  if args.kv_memory is not None and not args.kv_memory > 0:
+    raise JetSpecError(f"--kv-memory must be a positive number of GiB, got {args.kv_memory}")
   res = regenerate(args.target, args.source, args.out_dir, max_new_tokens=args.max_new_tokens,
                    batch_size=args.batch_size, temperature=args.temperature, seed=args.seed, limit=args.limit,
                    max_prompt_tokens=args.max_prompt_tokens, mesh=mesh, dtype=_dtype(args.dtype),
-                   attn_impl=impl, prefill_chunk=args.prefill_chunk, progress=not args.json)
+                   attn_impl=impl, prefill_chunk=args.prefill_chunk, kv_memory=args.kv_memory,
+                   page_rows=args.page_rows, progress=not args.json)
   res["settings"] = {"dtype": args.dtype, "attention": impl.name, "max_prompt_tokens": args.max_prompt_tokens,
                      "prefill_chunk": 64 if args.prefill_chunk is None else args.prefill_chunk,
+                     "kv_memory_gib": args.kv_memory, "page_rows": args.page_rows,
                      "mesh": dict(mesh.shape) if mesh is not None else None}
   res["processes"] = info.process_count
   _emit(args, res, json.dumps(res, indent=2))
@@ -443,7 +462,7 @@ def _bench_load(args) -> dict:
     plan = EnginePlan(slots=args.slots, rows=rows, lanes=groups, prefill_rows=args.prefill_rows,
                       max_prompt=max(len(r.prompt) for r in requests), max_new_tokens=args.max_new_tokens,
                       queue=-(-len(requests) // groups), groups=groups, tree=t, key_buckets=args.key_buckets,
-                      page_rows=args.page_rows, pages=pages)
+                      page_rows=args.page_rows, pages=pages, prefix_caching=args.prefix_caching)
     kw = {} if t is None else dict(head_cfg=head_cfg, head_params=head_params)
     engine = Engine(cfg, params, plan, eos_ids=None if args.stop_at_eos else (), attn_impl=impl, mesh=mesh, **kw)
     say(f"{name}: compiling")
@@ -612,8 +631,13 @@ def build_parser() -> argparse.ArgumentParser:
                   help="decode rows verified per round over all slots (default: every slot's whole tree)")
   sv.add_argument("--queue", type=int, default=None,
                   help="requests the engine holds, running or queued (default: 2 x --slots); more wait on the host")
-  sv.add_argument("--max-prompt", type=int, default=512, help="prompt tokens a slot holds (longer prompts: 400)")
-  sv.add_argument("--max-tokens", type=int, default=256, help="new tokens a slot holds (larger max_tokens: 400)")
+  sv.add_argument("--max-prompt", type=int, default=None,
+                  help="prompt tokens a request may have (default 512, or --max-model-len - 1; longer: 400)")
+  sv.add_argument("--max-tokens", type=int, default=None,
+                  help="new tokens a request may ask for (default 256, or --max-model-len - 1; larger: 400)")
+  sv.add_argument("--max-model-len", type=int, default=None,
+                  help="prompt plus new tokens of one request (default: --max-prompt + --max-tokens); KV memory "
+                       "is the pool's (--kv-memory), not slots x this")
   sv.add_argument("--prefill-rows", type=int, default=32, help="prompt rows per prefill lane and round")
   sv.add_argument("--segment-rounds", type=int, default=8,
                   help="engine rounds between host visits (new requests, streamed tokens, cancellations)")
@@ -654,6 +678,9 @@ def build_parser() -> argparse.ArgumentParser:
   r.add_argument("--max-prompt-tokens", type=int, default=None,
                  help="a prompt longer than this ends its conversation (default: no limit)")
   prefill_flag(r, default="64")
+  r.add_argument("--kv-memory", type=float, default=None,
+                 help="GiB of KV cache pages the slots share (default: every slot's full context)")
+  r.add_argument("--page-rows", type=int, default=16, help="rows per KV page (a multiple of 8)")
   attention_flags(r)
   common(r)
   r.set_defaults(fn=cmd_regenerate)

@@ -119,7 +119,7 @@ def run_engine(engine: Engine, requests: Sequence[Request], *, rate: float | Non
     rows.append({"prompt_tokens": len(req.prompt), "output_tokens": n, "arrival_s": float(arrive[i]),
                  "ttft_s": first - float(arrive[i]), "latency_s": last - float(arrive[i]),
                  "tpot_s": (last - first) / max(n - 1, 1), "steps": r.steps, "preempted": r.preempted,
-                 "tokens": r.tokens})
+                 "cached_tokens": r.cached_tokens, "tokens": r.tokens})
   output = sum(r["output_tokens"] for r in rows)
   decoded = output - len(rows)
   steps = sum(r["steps"] for r in rows)
@@ -129,7 +129,9 @@ def run_engine(engine: Engine, requests: Sequence[Request], *, rate: float | Non
           "ttft_s": percentiles(r["ttft_s"] for r in rows), "tpot_s": percentiles(r["tpot_s"] for r in rows),
           "latency_s": percentiles(r["latency_s"] for r in rows), "rate": rate, "segment_rounds": segment_rounds,
           "kv_pages": engine.plan.pool_pages(engine.head_cfg), "kv_pages_peak": peak_pages,
-          "preemptions": sum(r["preempted"] for r in rows)}
+          "preemptions": sum(r["preempted"] for r in rows),
+          "prefix_cached_tokens": sum(r["cached_tokens"] for r in rows),
+          "prompt_tokens_computed": sum(r["prompt_tokens"] - r["cached_tokens"] for r in rows)}
 
 
 def run_static(engine: Engine, requests: Sequence[Request]) -> dict:

@@ -7,43 +7,71 @@ group). Group g (on data shard g) holds slots g * B/G .. (g + 1) * B/G - 1, whic
 every read and write is per group: a pool sharded over the data axis on its group dimension never moves rows
 between shards.
 
-``Pages`` is the allocator's state: per group a stack of free page ids; per slot its table row and the pages it
-holds (a prefix of its table row). ``grow`` gives slots the pages their next rows need, oldest request first and
-in order (a slot that does not fit stops the grant: later, smaller ones wait too, so the oldest is never starved);
-``release`` returns a slot's pages. Invariant, per group: the held pages and the free stack are its Pg pages,
-each exactly once. ``write`` scatters new rows into pages; ``gather`` is the XLA attention path's contiguous view
-of the slots' first rows.
+``Pages`` is the allocator's state: per page the slots holding it (``refs``), the prefix key of its rows when it is
+cached (``key``) and when it was last released (``used``); per slot its table row and the pages it holds (a prefix
+of its table row). A page is free when no slot holds it; a free page with a key is cached: its rows stay valid
+until ``grow`` takes it, after every uncached free page, least recently released first. ``grow`` gives slots the
+pages their next rows need, oldest request first and in order (a slot that does not fit stops the grant: later,
+smaller ones wait too, so the oldest is never starved); ``release`` returns a slot's pages; ``register`` keys the
+full prompt pages a slot has computed and ``share`` hands a newly admitted slot the cached pages of its prompt's
+longest keyed prefix (prefix caching: a page with a key is never written, only read). Invariant, per group:
+refs[page] is the number of slot table entries holding it. ``write`` scatters new rows into pages; ``gather`` is
+the XLA attention path's contiguous view of the slots' first rows.
+
+Keys are the host's (``prefix_keys``): page i of a prompt is keyed by a 64-bit hash of the prompt's first (i + 1) * R
+token ids, as two int32 words, so a key names a page's tokens and positions. Two different prefixes sharing a
+key (probability about n^2 / 2^65 over n keyed pages) would share rows: the one failure mode, stated here.
 """
 from __future__ import annotations
+
+import hashlib
+from typing import Sequence
 
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+FREE, CACHED, HELD = 0, 1, 2        # the order ``grow`` takes pages in: uncached free ones, then cached, never held
 
 
 @flax.struct.dataclass
 class Pages:
   """The page allocator (module docstring). G groups of Pg pages, B slots of at most T pages."""
-  free: jax.Array          # [G, Pg] int32 page ids (within the group); the first free_count[g] are free
-  free_count: jax.Array    # [G] int32
+  refs: jax.Array          # [G, Pg] int32 slots holding the page (0: free)
+  key: jax.Array           # [G, Pg, 2] int32 prefix key of its rows ((0, 0): none)
+  used: jax.Array          # [G, Pg] int32 when it was last released (``grow``'s order among free pages)
   table: jax.Array         # [B, T] int32 page ids (-1: none)
   held: jax.Array          # [B] int32 pages held: table[b, :held[b]]
 
   @property
   def groups(self) -> int:
-    return self.free.shape[0]
+    return self.refs.shape[0]
 
   @property
   def pages_per_group(self) -> int:
-    return self.free.shape[1]
+    return self.refs.shape[1]
+
+  def free_count(self) -> jax.Array:
+    """[G] pages no slot holds (cached ones included: ``grow`` may take them)."""
+    return jnp.sum(self.refs == 0, axis=1).astype(jnp.int32)
+
+  def cached_count(self) -> jax.Array:
+    """[G] free pages holding keyed rows."""
+    return jnp.sum((self.refs == 0) & _keyed(self.key), axis=1).astype(jnp.int32)
+
+
+def _keyed(key: jax.Array) -> jax.Array:
+  return jnp.any(key != 0, axis=-1)
 
 
 def init_pages(groups: int, pages_per_group: int, slots: int, max_pages: int) -> Pages:
-  """Every page free, no slot holding any; slots / groups slots per group."""
+  """Every page free, none cached, no slot holding any; slots / groups slots per group."""
   if slots % groups:
     raise ValueError(f"{slots} slots do not split into {groups} groups")
-  ids = jnp.broadcast_to(jnp.arange(pages_per_group, dtype=jnp.int32), (groups, pages_per_group))
-  return Pages(free=ids, free_count=jnp.full((groups,), pages_per_group, jnp.int32),
+  shape = (groups, pages_per_group)
+  return Pages(refs=jnp.zeros(shape, jnp.int32), key=jnp.zeros(shape + (2,), jnp.int32),
+               used=jnp.broadcast_to(jnp.arange(pages_per_group, dtype=jnp.int32), shape),
                table=jnp.full((slots, max_pages), -1, jnp.int32), held=jnp.zeros((slots,), jnp.int32))
 
 
@@ -52,48 +80,104 @@ def pages_for(rows: jax.Array, page_rows: int) -> jax.Array:
   return -(-rows // page_rows)
 
 
+def prefix_keys(prompt: Sequence[int], page_rows: int, pages: int) -> np.ndarray:
+  """[pages, 2] int32 keys of a prompt's first ``pages`` full pages (module docstring): page i's is a hash of the
+  prompt's first (i + 1) * page_rows ids, chained page by page; never (0, 0) (no key); (0, 0) past its full pages."""
+  keys = np.zeros((pages, 2), np.int32)
+  digest = b""
+  ids = np.asarray(prompt, np.int32)
+  for i in range(min(pages, len(ids) // page_rows)):
+    digest = hashlib.blake2b(digest + ids[i * page_rows:(i + 1) * page_rows].tobytes(), digest_size=8).digest()
+    keys[i] = np.frombuffer(digest, np.int32)
+    if keys[i, 0] == 0:
+      keys[i, 0] = 1
+  return keys
+
+
+def _by(p: Pages, x: jax.Array) -> jax.Array:
+  return x.reshape((p.groups, -1) + x.shape[1:])
+
+
 def grow(p: Pages, rows: jax.Array, order: jax.Array, page_rows: int) -> tuple[Pages, jax.Array]:
   """Give each slot the pages ``rows`` [B] rows need (beyond those it holds), per group in increasing ``order``
   [B] (e.g. admission sequence numbers) while the group's free pages last; the first slot that does not fit
-  and every later one get none. Returns the allocator and ok [B]: the slot holds pages for its rows."""
-  g, per = p.groups, p.table.shape[0] // p.groups
-  t = p.table.shape[1]
+  and every later one get none. Pages are taken uncached first, then cached ones least recently released first
+  (their keys dropped). Returns the allocator and ok [B]: the slot holds pages for its rows."""
+  per, t, pg = p.table.shape[0] // p.groups, p.table.shape[1], p.pages_per_group
   need = jnp.maximum(jnp.minimum(pages_for(rows, page_rows), t) - p.held, 0)
 
-  def group(free, count, table, held, need, order):
+  def group(refs, key, used, table, held, need, order):
     rank = jnp.argsort(order)                                   # slots oldest first
-    fits = jnp.cumsum(need[rank]) <= count
+    fits = jnp.cumsum(need[rank]) <= jnp.sum(refs == 0)
     granted = jnp.zeros((per,), bool).at[rank].set(jnp.cumprod(fits.astype(jnp.int32)).astype(bool))
     take = jnp.where(granted, need, 0)
-    taken = jnp.zeros((per,), jnp.int32).at[rank].set(jnp.cumsum(take[rank]))      # inclusive, in rank order
-    first = count - taken                                        # slot takes free[first : first + take]
+    before = jnp.zeros((per,), jnp.int32).at[rank].set(jnp.cumsum(take[rank]) - take[rank])   # exclusive
+    kind = jnp.where(refs > 0, HELD, jnp.where(_keyed(key), CACHED, FREE))
+    _, _, candidates = jax.lax.sort((kind, used, jnp.arange(pg, dtype=jnp.int32)), num_keys=2)
     j = jnp.arange(t)[None, :]
     new = (j >= held[:, None]) & (j < (held + take)[:, None])
-    idx = jnp.clip(first[:, None] + j - held[:, None], 0, free.shape[0] - 1)
-    table = jnp.where(new, free[idx], table)
-    return count - jnp.sum(take), table, held + take, granted | (need == 0)
+    table = jnp.where(new, candidates[jnp.clip(before[:, None] + j - held[:, None], 0, pg - 1)], table)
+    taken = jnp.where(new, table, pg)                             # pg: not written
+    return (refs.at[taken].add(1, mode="drop"), key.at[taken].set(0, mode="drop"), table, held + take,
+            granted | (need == 0))
 
-  by = lambda x: x.reshape((g, per) + x.shape[1:])
-  count, table, held, ok = jax.vmap(group)(p.free, p.free_count, by(p.table), by(p.held), by(need), by(order))
-  return p.replace(free_count=count, table=table.reshape(p.table.shape), held=held.reshape(-1)), ok.reshape(-1)
+  refs, key, table, held, ok = jax.vmap(group)(p.refs, p.key, p.used, _by(p, p.table), _by(p, p.held), _by(p, need),
+                                               _by(p, order))
+  return p.replace(refs=refs, key=key, table=table.reshape(p.table.shape), held=held.reshape(-1)), ok.reshape(-1)
 
 
-def release(p: Pages, slots: jax.Array) -> Pages:
-  """Return the pages of the slots where ``slots`` [B] bool to their groups' free stacks."""
-  g, per = p.groups, p.table.shape[0] // p.groups
+def release(p: Pages, slots: jax.Array, now: jax.Array | int = 0) -> Pages:
+  """The slots where ``slots`` [B] bool let go of their pages (released at time ``now``: a cached page's LRU
+  stamp)."""
   t, pg = p.table.shape[1], p.pages_per_group
 
-  def group(free, count, table, held, mask):
-    back = jnp.where(mask, held, 0)
-    at = count + jnp.cumsum(back) - back                         # each slot's first free-stack position
+  def group(refs, used, table, held, mask):
     j = jnp.arange(t)[None, :]
-    pos = jnp.where(j < back[:, None], at[:, None] + j, pg)      # pg: not written
-    free = free.at[pos].set(table, mode="drop")
-    return free, count + jnp.sum(back), jnp.where(mask[:, None], -1, table), jnp.where(mask, 0, held)
+    back = jnp.where(mask[:, None] & (j < held[:, None]), table, pg)       # pg: not written
+    return (refs.at[back].add(-1, mode="drop"), used.at[back].set(jnp.asarray(now, jnp.int32), mode="drop"),
+            jnp.where(mask[:, None], -1, table), jnp.where(mask, 0, held))
 
-  by = lambda x: x.reshape((g, per) + x.shape[1:])
-  free, count, table, held = jax.vmap(group)(p.free, p.free_count, by(p.table), by(p.held), by(slots))
-  return p.replace(free=free, free_count=count, table=table.reshape(p.table.shape), held=held.reshape(-1))
+  refs, used, table, held = jax.vmap(group)(p.refs, p.used, _by(p, p.table), _by(p, p.held), _by(p, slots))
+  return p.replace(refs=refs, used=used, table=table.reshape(p.table.shape), held=held.reshape(-1))
+
+
+def register(p: Pages, keys: jax.Array, count: jax.Array) -> Pages:
+  """Key each slot's first count[b] pages with keys [B, K, 2] (its prompt's: pages whose rows it has computed, none
+  written again). A page already keyed holds the same prefix; two slots may key copies of one prefix."""
+  k, pg = keys.shape[1], p.pages_per_group
+
+  def group(key, table, keys, count):
+    pages = jnp.where(jnp.arange(k)[None, :] < count[:, None], table[:, :k], pg)   # pg: not written
+    return key.at[pages].set(keys, mode="drop")
+
+  key = jax.vmap(group)(p.key, _by(p, p.table), _by(p, keys), _by(p, jnp.minimum(count, p.held)))
+  return p.replace(key=key)
+
+
+def find(key: jax.Array, queries: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """One group's pages keyed as ``queries`` [..., 2] among its keys [Pg, 2]: (page [...], found [...]); a sorted
+  search on the first word, then the second compared (a first word shared by two prefixes: not found)."""
+  order = jnp.argsort(key[:, 0])
+  at = order[jnp.clip(jnp.searchsorted(key[order, 0], queries[..., 0]), 0, key.shape[0] - 1)]
+  return at, jnp.all(key[at] == queries, axis=-1) & jnp.any(queries != 0, axis=-1)
+
+
+def share(p: Pages, slots: jax.Array, keys: jax.Array, count: jax.Array) -> tuple[Pages, jax.Array]:
+  """Each slot where ``slots`` [B] bool (holding no page) takes the cached or held pages keyed as its first count[b]
+  keys [B, K, 2], up to the first it does not find. Returns the allocator and the pages each took [B]."""
+  k, pg = keys.shape[1], p.pages_per_group
+
+  def group(refs, key, table, held, keys, count, mask):
+    at, found = find(key, keys)                                                        # [S, K]
+    found = found & (jnp.arange(k)[None, :] < count[:, None]) & mask[:, None]
+    hits = jnp.sum(jnp.cumprod(found.astype(jnp.int32), axis=1), axis=1)
+    new = jnp.arange(k)[None, :] < hits[:, None]
+    table = table.at[:, :k].set(jnp.where(new, at, table[:, :k]))
+    return refs.at[jnp.where(new, at, pg)].add(1, mode="drop"), table, held + hits, hits
+
+  refs, table, held, hits = jax.vmap(group)(p.refs, p.key, _by(p, p.table), _by(p, p.held), _by(p, keys),
+                                            _by(p, count), _by(p, slots))
+  return p.replace(refs=refs, table=table.reshape(p.table.shape), held=held.reshape(-1)), hits.reshape(-1)
 
 
 def _page(table: jax.Array, slot: jax.Array, row: jax.Array, page_rows: int) -> tuple[jax.Array, jax.Array]:

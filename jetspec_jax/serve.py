@@ -192,7 +192,8 @@ class Service:
     key = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
     default = self.plan.max_new_tokens if chat else min(self.completion_default_tokens, self.plan.max_new_tokens)
     max_tokens = body.get(key)
-    max_tokens = default if max_tokens is None else max_tokens
+    # Unasked, a reply may take what the context leaves after the prompt (``--max-model-len``).
+    max_tokens = max(1, min(default, self.plan.committed_rows - len(prompt))) if max_tokens is None else max_tokens
     if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
       raise ApiError(400, f"{key} must be a positive integer, got {max_tokens!r}", param=key)
     stream = body.get("stream") or False

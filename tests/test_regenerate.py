@@ -236,5 +236,12 @@ def test_regenerate_cli_takes_the_generation_settings(tmp_path, tok, capsys):
     res = json.loads(capsys.readouterr().out)
     assert res["settings"]["attention"] == "xla" and res["settings"]["prefill_chunk"] == int(chunk)
   assert read_rows(tmp_path / "chunked") == read_rows(tmp_path / "whole") != []
+  # A KV pool of 12 pages of 16 rows for 4 slots: requests wait for pages (or are preempted), the rows are the same.
+  from jetspec_jax.convert import read_target_config
+  from jetspec_jax.decode.engine import page_bytes
+  gib = 12 * page_bytes(read_target_config(model_dir)[0], None, 16, jnp.float32) / (1 << 30)
+  assert cli.main(base + ["--out-dir", str(tmp_path / "paged"), "--kv-memory", f"{gib * 1.001:.9f}"]) == 0
+  assert json.loads(capsys.readouterr().out)["settings"]["kv_memory_gib"] > 0
+  assert read_rows(tmp_path / "paged") == read_rows(tmp_path / "whole")
   assert cli.main(base + ["--out-dir", str(tmp_path / "bad"), "--max-prompt-tokens", "0"]) == 2
   assert "--max-prompt-tokens must be at least 1" in capsys.readouterr().err

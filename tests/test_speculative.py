@@ -187,14 +187,18 @@ def check_slots(engine):
 
 
 def check_pages(s, plan):
-  """The allocator's invariant (per group, the held pages and the free stack are its pages, each once) and each
-  held slot's pages cover its committed rows."""
+  """The allocator's invariant (per group, each page's reference count is the number of slots holding it; a page
+  held by several slots is a keyed prompt page) and each held slot's pages cover its committed rows."""
   g, per = plan.groups, plan.slots // plan.groups
-  pg = s.pages.free.shape[1]
+  pg = s.pages.refs.shape[1]
   for gi in range(g):
     owned = [int(x) for b in range(gi * per, (gi + 1) * per) for x in s.pages.table[b, :s.pages.held[b]]]
-    assert sorted(owned + s.pages.free[gi, :s.pages.free_count[gi]].tolist()) == list(range(gi * pg, (gi + 1) * pg))
+    counts = np.bincount(owned, minlength=pg)
+    assert counts.tolist() == s.pages.refs[gi].tolist(), gi
+    assert (s.pages.key[gi][counts > 1] != 0).any(axis=-1).all(), gi
   for b in range(plan.slots):
+    row = s.pages.table[b, :s.pages.held[b]]
+    assert len(set(row.tolist())) == len(row) and (row >= 0).all(), b
     assert (s.pages.table[b, s.pages.held[b]:] == -1).all(), b
     if s.entry[b] >= 0:
       assert s.pages.held[b] * plan.page_rows >= s.prefix_len[b], b

@@ -125,7 +125,11 @@ class EnginePlan:
   KV caches are paged (``jetspec_jax.pages``): a pool of ``pages`` pages of ``page_rows`` rows (split evenly over
   the groups; None: every slot's capacity, ``slots * max_pages``, so nothing ever waits for pages) shared by the
   target's and the head's caches through one page table; a slot holds the pages its rows need, at most
-  ``max_pages``."""
+  ``max_pages``. ``prefix_caching``: a request's full prompt pages (all but the page of its last prompt token) are
+  keyed by their tokens; an admitted request takes the cached pages of its prompt's longest keyed prefix and
+  prefills only the rest, and waits while an older request is computing pages it would share. ``max_model_len``: a
+  request's prompt plus new tokens at most (None: max_prompt + max_new_tokens), which sizes a slot's page table
+  and the attention's key length; memory is the pool's."""
   slots: int
   rows: int
   lanes: int
@@ -139,6 +143,23 @@ class EnginePlan:
   per_request_sampling: bool = False
   page_rows: int = 16
   pages: int | None = None
+  prefix_caching: bool = True
+  max_model_len: int | None = None
+
+  @property
+  def committed_rows(self) -> int:
+    """Rows one request can commit: its prompt and new tokens, at most ``max_model_len``."""
+    committed = self.max_prompt + self.max_new_tokens
+    return committed if self.max_model_len is None else min(committed, self.max_model_len)
+
+  @property
+  def prefix_pages(self) -> int:
+    """Keyed prompt pages per request K (0 without prefix caching): the full pages before a prompt's last token."""
+    return (self.max_prompt - 1) // self.page_rows if self.prefix_caching else 0
+
+  def shared_pages(self, prompt_len: jax.Array) -> jax.Array:
+    """Keyed pages of a prompt of ``prompt_len`` tokens (its last token is always computed: its logits are needed)."""
+    return jnp.minimum(jnp.maximum(prompt_len - 1, 0) // self.page_rows, self.prefix_pages)
 
   def max_pages(self, head_cfg: DraftConfig | None) -> int:
     """Pages one slot can hold T: a full request and one round's scratch rows (``cache_lengths``)."""
@@ -188,7 +209,7 @@ class EnginePlan:
   def cache_lengths(self, head_cfg: DraftConfig | None) -> tuple[int, int]:
     """(target, draft) cache rows per slot: a full request plus one round's scratch rows (tree nodes, the draft's
     block) past it, and a prompt's last lane (up to C rows from its last prompt row)."""
-    committed = self.max_prompt + self.max_new_tokens
+    committed = self.committed_rows
     lanes = self.max_prompt + self.prefill_rows
     draft = 0 if head_cfg is None else cache_rows(max(committed + head_cfg.block_size, lanes))
     return cache_rows(max(committed + self.nodes, lanes)), draft
@@ -207,6 +228,8 @@ class EnginePlan:
     if self.page_rows < 8 or self.page_rows % 8:
       raise JetSpecError(f"page_rows {self.page_rows} is not a positive multiple of 8 (the Mosaic GPU kernel's TMA boxes start "
                          f"at multiples of 8 rows)")
+    if self.max_model_len is not None and self.max_model_len < 2:
+      raise JetSpecError(f"max_model_len {self.max_model_len} leaves no room for a prompt token and a new one")
     if self.pages is not None and (self.pages < g or self.pages % g):
       raise JetSpecError(f"{self.pages} KV pages do not split evenly over {g} groups")
     if mesh is not None and g % mesh.shape["data"]:
@@ -238,6 +261,8 @@ class Queue:
   first: jax.Array         # [G, Q] round its first token was drawn
   finished: jax.Array      # [G, Q] round it finished
   preempted: jax.Array     # [G, Q] times its slot was taken back for pages (its rows recomputed)
+  page_keys: jax.Array     # [G, Q, K, 2] int32 keys of its prompt's first K full pages (``pages.prefix_keys``)
+  cached: jax.Array        # [G, Q] prompt rows it took from the prefix cache (every admission summed)
 
 
 @flax.struct.dataclass
@@ -248,6 +273,7 @@ class EngineState:
   entry: jax.Array         # [B] queue entry of the slot's request (-1: free)
   seq: jax.Array           # [B] its sequence number (prefill lanes serve the oldest first)
   prompt_len: jax.Array    # [B] rows to prefill: the prompt (a resumed request's: and its tokens but the last)
+  cached: jax.Array        # [B] of them, rows taken from the prefix cache at admission (its first prefix_len)
   max_new: jax.Array       # [B]
   key: jax.Array           # [B, 2] uint32 key data
   temperature: jax.Array   # [B] the request's sampling parameters (read with ``plan.per_request_sampling``)
@@ -287,9 +313,11 @@ def init_state(plan: EnginePlan, cfg: Qwen3Config, head_cfg: DraftConfig | None,
                 top_p=zf(g, q) + 1, status=zi(g, q), seq=zi(g, q),
                 tokens=jnp.full((g, q, m), -1, jnp.int32), num_tokens=zi(g, q), steps=zi(g, q),
                 depth_hist=zi(g, q, d + 1), depth_visits=zi(g, q, d), rank_hits=zi(g, q, d, w),
-                rank_mass=zf(g, q, d, w), admitted=zi(g, q), first=zi(g, q), finished=zi(g, q), preempted=zi(g, q))
+                rank_mass=zf(g, q, d, w), admitted=zi(g, q), first=zi(g, q), finished=zi(g, q), preempted=zi(g, q),
+                page_keys=zi(g, q, plan.prefix_pages, 2), cached=zi(g, q))
   draft_cache = None if head_cfg is None else draft_head.init_context_pool(head_cfg, *pool, draft_dtype, mesh)
-  state = EngineState(queue=queue, entry=jnp.full((b,), -1, jnp.int32), seq=zi(b), prompt_len=zi(b), max_new=zi(b),
+  state = EngineState(queue=queue, entry=jnp.full((b,), -1, jnp.int32), seq=zi(b), prompt_len=zi(b), cached=zi(b),
+                      max_new=zi(b),
                       key=jnp.zeros((b,) + key_shape(), jnp.uint32), temperature=zf(b), top_k=zi(b), top_p=zf(b) + 1,
                       prefix_len=zi(b), last_token=zi(b),
                       tokens=jnp.full((b, m), -1, jnp.int32), num_tokens=zi(b), steps=zi(b), first=zi(b),
@@ -330,7 +358,7 @@ def place(state: EngineState, mesh=None) -> EngineState:
   data = NamedSharding(mesh, P("data"))
   put = lambda x: jax.device_put(x, data)
   queue = jax.tree.map(put, state.queue)
-  small = {f: put(getattr(state, f)) for f in ("entry", "seq", "prompt_len", "max_new", "key", "temperature", "top_k",
+  small = {f: put(getattr(state, f)) for f in ("entry", "seq", "prompt_len", "cached", "max_new", "key", "temperature", "top_k",
                                                "top_p", "prefix_len", "last_token", "tokens", "num_tokens", "steps", "first", "done",
                                                "depth_hist", "depth_visits", "rank_hits", "rank_mass", "busy",
                                                "granted")}
@@ -340,12 +368,13 @@ def place(state: EngineState, mesh=None) -> EngineState:
 @functools.partial(jax.jit, donate_argnames=("state",))
 def enqueue(state: EngineState, group: jax.Array, entry: jax.Array, seq: jax.Array, prompt: jax.Array,
             prompt_len: jax.Array, max_new: jax.Array, seed: jax.Array, key: jax.Array, own_key: jax.Array,
-            temperature: jax.Array, top_k: jax.Array, top_p: jax.Array) -> EngineState:
+            temperature: jax.Array, top_k: jax.Array, top_p: jax.Array, page_keys: jax.Array) -> EngineState:
   """Queue requests [R] at (group, entry) [R] (entries the host holds free: EMPTY, or FINISHED and already
   collected; the caller's to choose) with sequence numbers
   seq [R] (admission order and request ids), prompt [R, T], prompt_len, max_new [R], sampling parameters
   temperature, top_k, top_p [R] and PRNG keys: key data [R, 2] where own_key [R], else fold_in(key(seed), seq)
-  (``seed`` [] uint32; derived here, so submitting costs no eager key arithmetic on the host)."""
+  (``seed`` [] uint32; derived here, so submitting costs no eager key arithmetic on the host) and its prompt's
+  page keys [R, K, 2] (``pages.prefix_keys``)."""
   q = state.queue
   derived = jax.vmap(lambda i: jax.random.key_data(jax.random.fold_in(jax.random.key(seed), i)))(seq)
   key = jnp.where(own_key[:, None], key, derived)
@@ -356,7 +385,7 @@ def enqueue(state: EngineState, group: jax.Array, entry: jax.Array, seq: jax.Arr
                     seq=at(q.seq, seq), tokens=at(q.tokens, -1), num_tokens=at(q.num_tokens, 0),
                     steps=at(q.steps, 0), depth_hist=at(q.depth_hist, 0), depth_visits=at(q.depth_visits, 0),
                     rank_hits=at(q.rank_hits, 0), rank_mass=at(q.rank_mass, 0), first=at(q.first, 0),
-                    preempted=at(q.preempted, 0))
+                    preempted=at(q.preempted, 0), page_keys=at(q.page_keys, page_keys), cached=at(q.cached, 0))
   return state.replace(queue=queue)
 
 
@@ -372,19 +401,38 @@ def drop(state: EngineState, group: jax.Array, entry: jax.Array) -> EngineState:
   status = state.queue.status.at[group, entry].set(EMPTY, mode="drop")       # entry Q: padding
   return state.replace(queue=state.queue.replace(status=status), entry=jnp.where(held, -1, state.entry),
                        prefix_len=jnp.where(held, 0, state.prefix_len), done=state.done & ~held,
-                       pages=pages.release(state.pages, held), granted=state.granted & ~held)
+                       pages=pages.release(state.pages, held, state.round), granted=state.granted & ~held)
 
 
 def _admit(s: EngineState, plan: EnginePlan, mesh=None) -> EngineState:
   """Give each free slot the queued request of its group with the lowest sequence number (per group,
   vmapped: a group's slots read only its own queue). A resumed request brings its tokens and counts so far and
-  prefills its prompt and its tokens but the last."""
-  g, per = plan.groups, plan.slots // plan.groups
+  prefills its prompt and its tokens but the last. With prefix caching, a request waits while a slot of its group
+  is computing a keyed page of its prompt (it will share it), and an admitted one takes the cached pages of its
+  prompt's longest keyed prefix (``pages.share``): its prefill starts after them."""
+  g, per, r = plan.groups, plan.slots // plan.groups, plan.page_rows
   lowest = jnp.iinfo(jnp.int32).min
+  by_group = lambda x: x.reshape((g, per) + x.shape[1:])
 
-  def group(q: Queue, entry):
+  def group(q: Queue, entry, prefix_len, keys):
     free = entry < 0
-    best, waiting = jax.lax.top_k(jnp.where(q.status == QUEUED, -q.seq, lowest), min(per, plan.queue))
+    candidate = q.status == QUEUED
+    if plan.prefix_pages:
+      shared = plan.shared_pages(q.prompt_len)                              # [Q]
+      # Wait while a slot is computing a keyed page of the request's own prompt.
+      e = jnp.maximum(entry, 0)
+      frontier = prefix_len // r                                            # [S] its next page to compute
+      computing = (entry >= 0) & (frontier < plan.shared_pages(q.prompt_len[e]))
+      k = jnp.minimum(frontier, plan.prefix_pages - 1)
+      same = jnp.all(q.page_keys[:, k] == q.page_keys[e, k][None], axis=-1) & (frontier[None, :] < shared[:, None])
+      candidate = candidate & ~jnp.any(same & computing[None, :], axis=1)
+      # Of queued requests whose first page is not cached yet, only the oldest of those sharing it computes it.
+      first = q.page_keys[:, 0]                                             # [Q, 2]
+      _, cached = pages.find(keys, first)
+      family = jnp.all(first[:, None] == first[None, :], axis=-1) & (q.seq[None, :] < q.seq[:, None])
+      older = jnp.any(family & candidate[None, :] & (shared[None, :] > 0), axis=1)
+      candidate = candidate & ~(older & (shared > 0) & ~cached)
+    best, waiting = jax.lax.top_k(jnp.where(candidate, -q.seq, lowest), min(per, plan.queue))
     rank = jnp.cumsum(free) - 1
     ok = free & (rank < best.shape[0])
     rank = jnp.minimum(rank, best.shape[0] - 1)
@@ -396,19 +444,39 @@ def _admit(s: EngineState, plan: EnginePlan, mesh=None) -> EngineState:
                   admitted=q.admitted.at[jnp.where(first_time[new_entry], dropped, plan.queue)].set(s.round,
                                                                                                    mode="drop"))
     fields = ("prompt_len", "max_new", "key", "seq", "temperature", "top_k", "top_p", "tokens", "num_tokens", "steps",
-              "first", "depth_hist", "depth_visits", "rank_hits", "rank_mass")
+              "first", "depth_hist", "depth_visits", "rank_hits", "rank_mass", "page_keys")
     return q, admit, new_entry, {f: getattr(q, f)[new_entry] for f in fields}
 
-  queue, admit, new_entry, got = per_data_shard(jax.vmap(group), mesh)(s.queue, s.entry.reshape(g, per))
+  queue, admit, new_entry, got = per_data_shard(jax.vmap(group), mesh)(s.queue, by_group(s.entry),
+                                                                       by_group(s.prefix_len), s.pages.key)
   fresh = admit.reshape(-1)
+  keys = got.pop("page_keys").reshape(plan.slots, plan.prefix_pages, 2)
   pick = lambda new, old: jnp.where(fresh.reshape((-1,) + (1,) * (old.ndim - 1)), new.reshape(old.shape), old)
   got = {f: pick(v, getattr(s, f)) for f, v in got.items()}
+  allocator, cached = s.pages, jnp.zeros_like(s.prefix_len)
+  if plan.prefix_pages:
+    allocator, hits = per_data_shard(pages.share, mesh)(s.pages, fresh, keys, plan.shared_pages(got["prompt_len"]))
+    cached = hits * r
+    add = lambda c, e, n: c.at[e].add(n, mode="drop")
+    queue = queue.replace(cached=jax.vmap(add)(queue.cached, jnp.where(admit, new_entry, plan.queue),
+                                               by_group(cached)))
   got["prompt_len"] = got["prompt_len"] + jnp.where(fresh, jnp.maximum(got["num_tokens"] - 1, 0), 0)
   got["last_token"] = pick(jnp.take_along_axis(got["tokens"], jnp.maximum(got["num_tokens"] - 1, 0)[:, None],
                                                axis=1)[:, 0], s.last_token)
-  return s.replace(queue=queue, entry=pick(new_entry, s.entry), prefix_len=pick(jnp.zeros_like(s.prefix_len),
-                                                                                 s.prefix_len),
-                   done=s.done & ~fresh, **got)
+  return s.replace(queue=queue, entry=pick(new_entry, s.entry), prefix_len=pick(cached, s.prefix_len),
+                   cached=pick(cached, s.cached), pages=allocator, done=s.done & ~fresh, **got)
+
+
+def _register(s: EngineState, plan: EnginePlan, mesh=None) -> EngineState:
+  """Key the full prompt pages every held slot has computed (``pages.register``): later requests may share them."""
+  if not plan.prefix_pages:
+    return s
+  g, per = plan.groups, plan.slots // plan.groups
+  e = jnp.maximum(s.entry, 0).reshape(g, per)
+  keys = jax.vmap(lambda k, e: k[e])(s.queue.page_keys, e).reshape(plan.slots, plan.prefix_pages, 2)
+  prompt = jax.vmap(lambda n, e: n[e])(s.queue.prompt_len, e).reshape(-1)
+  count = jnp.where(s.entry >= 0, jnp.minimum(plan.shared_pages(prompt), s.prefix_len // plan.page_rows), 0)
+  return s.replace(pages=per_data_shard(pages.register, mesh)(s.pages, keys, count))
 
 
 def _lanes(s: EngineState, plan: EnginePlan, prefilling: jax.Array, mesh):
@@ -452,7 +520,7 @@ def _to_queue(s: EngineState, plan: EnginePlan, slots: jax.Array, status: int, m
   by_group = lambda x: x.reshape((g, per) + x.shape[1:])
   values = dict(tokens=s.tokens, num_tokens=s.num_tokens, steps=s.steps, first=s.first, depth_hist=s.depth_hist,
                 depth_visits=s.depth_visits, rank_hits=s.rank_hits, rank_mass=s.rank_mass)
-  recomputed = (s.prefix_len > 0).astype(jnp.int32)
+  recomputed = (s.prefix_len > s.cached).astype(jnp.int32)        # rows of its own computed: recomputed later
 
   def group(q: Queue, at, vals, again):
     put = lambda a, v: a.at[at].set(v, mode="drop")
@@ -466,29 +534,35 @@ def _to_queue(s: EngineState, plan: EnginePlan, slots: jax.Array, status: int, m
   queue = jax.vmap(group)(s.queue, at, {k: by_group(v) for k, v in values.items()}, by_group(recomputed))
   # A freed slot's counts go too: online calibration over the batch reads the requests holding slots.
   free = lambda x: jnp.where(slots.reshape((-1,) + (1,) * (x.ndim - 1)), jnp.zeros_like(x), x)
+  release = functools.partial(pages.release, now=s.round)
   return s.replace(queue=queue, entry=jnp.where(slots, -1, s.entry), prefix_len=free(s.prefix_len),
-                   rank_hits=free(s.rank_hits), rank_mass=free(s.rank_mass), done=s.done & ~slots,
-                   pages=per_data_shard(pages.release, mesh)(s.pages, slots), granted=s.granted & ~slots)
+                   cached=free(s.cached), rank_hits=free(s.rank_hits), rank_mass=free(s.rank_mass),
+                   done=s.done & ~slots, pages=per_data_shard(release, mesh)(s.pages, slots),
+                   granted=s.granted & ~slots)
 
 
 def flush(s: EngineState, program: RoundProgram) -> EngineState:
   """Between rounds: every done slot's request (tokens, counts, rounds) goes to its queue entry (FINISHED) and
   the slot is freed, then free slots are admitted (``_admit``), the next round's pages granted (``with_control``)
-  and, where pages ran out, slots handed back to the queue (``QUEUED``): those refused that hold no rows yet (the
-  request waits, in order) and, in a group where a slot holding rows was refused, its newest slot (preemption:
-  its pages go to older requests; it resumes later from its tokens). Rounds run between flushes without
-  touching the queue."""
+  and, where pages ran out, slots handed back to the queue (``QUEUED``): those refused that hold no rows of their
+  own yet (the request waits, in order) and, in a group where a slot holding rows of its own was refused, its
+  newest slot holding rows of its own (preemption: its pages go to older requests; it resumes later from its tokens).
+  First, the prompt pages computed so far are keyed for prefix caching (``_register``). Rounds run between flushes
+  without touching the queue."""
   plan, mesh = program.plan, program.mesh
   g, per = plan.groups, plan.slots // plan.groups
-  s = _to_queue(s, plan, s.done, FINISHED, mesh)
+  s = _to_queue(_register(s, plan, mesh), plan, s.done, FINISHED, mesh)
   s = with_control(_admit(s, plan, mesh), program)
   held = s.entry >= 0
   refused = held & ~s.granted
-  stuck = jnp.any((refused & (s.prefix_len > 0)).reshape(g, per), axis=1)                  # [G]
-  newest = jnp.argmax(jnp.where(held & (s.pages.held > 0), s.seq, -1).reshape(g, per), axis=1)
-  victim = (jax.nn.one_hot(newest, per, dtype=bool) & stuck[:, None]).reshape(-1) & held
-  requeue = (refused & (s.prefix_len == 0)) | victim
-  return with_control(_to_queue(s, plan, requeue, QUEUED, mesh), program)
+  waits = refused & (s.prefix_len <= s.cached)
+  stuck = jnp.any((refused & ~waits).reshape(g, per), axis=1)                                # [G]
+  newest = jnp.argmax(jnp.where(held & ~waits & (s.pages.held > 0), s.seq, -1).reshape(g, per), axis=1)
+  victim = (jax.nn.one_hot(newest, per, dtype=bool) & stuck[:, None]).reshape(-1) & held & ~waits
+  requeue = waits | victim
+  # Right after admission a free slot makes no flush due: whom it could admit waits (for pages, or for a prefix
+  # being computed) until a round has run.
+  return with_control(_to_queue(s, plan, requeue, QUEUED, mesh), program, admitting=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -788,11 +862,12 @@ def engine_round(target_params, head_params, s: EngineState, *, program: RoundPr
   return _commit(head_params, s, slots, offer, batch, verified, accepted, program)
 
 
-def with_control(s: EngineState, program: RoundProgram) -> EngineState:
+def with_control(s: EngineState, program: RoundProgram, admitting: bool = True) -> EngineState:
   """The state with the next round's pages granted and ``control`` = (pending: a slot holds a request or one is
   queued; the next round's body, 2 * key bucket + prefilling: the shortest of ``plan.key_lengths()`` no held
   slot's rows reach past, and whether a slot is prefilling; flush due: a slot is done, a slot was refused pages, or
-  a slot is free while its group's oldest queued request would get pages). Pages: each held slot is given those
+  a slot is free while its group's oldest queued request would get pages, unless not ``admitting``: right after a
+  flush admitted whom it could). Pages: each held slot is given those
   its rows up to the end of its next round need (its committed rows, or a prefilling slot's whole prompt, plus
   ``scratch_rows``), oldest request first (``pages.grow``; ``granted``). The control's values come from ONE max
   over the slots (the only reduction across data shards of a round)."""
@@ -815,12 +890,12 @@ def with_control(s: EngineState, program: RoundProgram) -> EngineState:
   first = lambda x: jnp.take_along_axis(x, oldest[:, None], axis=1)[:, 0]
   fill = first(q.prompt_len) + jnp.maximum(first(q.num_tokens) - 1, 0)
   first_pages = pages.pages_for(fill + scratch, plan.page_rows)
-  admissible = jnp.repeat(jnp.any(waiting, axis=1) & (first_pages <= allocator.free_count), per)     # [B]
+  admissible = jnp.repeat(jnp.any(waiting, axis=1) & (first_pages <= allocator.free_count()), per)   # [B]
   lane_reach = lane_rows + plan.prefill_rows
   # Every slot's decode rows sit somewhere in the [B, W] layout (row 0 onwards when not decoding).
   needed = jnp.where(held, jnp.where(prefilling, lane_reach, s.prefix_len + plan.nodes), 0)
   queued = jnp.repeat(jnp.any(waiting, axis=1), per)
-  due = s.done | (~held & admissible) | ~granted
+  due = s.done | (~held & admissible & admitting) | ~granted
   pending, needed, prefill, due = jnp.max(jnp.stack([held | queued, needed, prefilling, due], axis=1).astype(jnp.int32),
                                           axis=0)
   lengths = plan.key_lengths()
@@ -838,7 +913,7 @@ class Report:
   when the call began), ``tail`` [G, Q, W] (its tokens from ``start`` on) and its counts (``RequestResult``); per
   slot [B], for the request it holds at the end (``slot_entry`` -1: none): the same token fields; ``round``: the
   engine's round counter at the end (int32, wrapping), ``busy`` [B]: rounds each slot held a request in the call,
-  ``free_pages`` [G]: each group's free pages at the end."""
+  ``free_pages`` [G]: each group's free pages at the end (``cached_pages`` [G] of them hold prefix-cached rows)."""
   ended: jax.Array
   queued: jax.Array
   seq: jax.Array
@@ -854,6 +929,7 @@ class Report:
   first: jax.Array
   finished: jax.Array
   preempted: jax.Array
+  cached: jax.Array
   slot_entry: jax.Array
   slot_seq: jax.Array
   slot_num: jax.Array
@@ -862,6 +938,7 @@ class Report:
   round: jax.Array
   busy: jax.Array
   free_pages: jax.Array
+  cached_pages: jax.Array
 
 
 def token_window(plan: EnginePlan, rounds: int) -> int:
@@ -884,10 +961,11 @@ def _report(begin: EngineState, s: EngineState, plan: EnginePlan, window: int) -
   return Report(ended=q.status == FINISHED, queued=q.status == QUEUED, seq=q.seq, num=q.num_tokens, start=start,
                 tail=jnp.take_along_axis(q.tokens, cols(start), axis=2), steps=q.steps, depth_hist=q.depth_hist,
                 depth_visits=q.depth_visits, rank_hits=q.rank_hits, rank_mass=q.rank_mass, admitted=q.admitted,
-                first=q.first, finished=q.finished, preempted=q.preempted, slot_entry=s.entry, slot_seq=s.seq,
+                first=q.first, finished=q.finished, preempted=q.preempted, cached=q.cached, slot_entry=s.entry, slot_seq=s.seq,
                 slot_num=s.num_tokens, slot_start=slot_start,
                 slot_tail=jnp.take_along_axis(s.tokens, cols(slot_start), axis=1), round=s.round,
-                busy=s.busy - begin.busy, free_pages=s.pages.free_count)
+                busy=s.busy - begin.busy, free_pages=s.pages.free_count(),
+                cached_pages=s.pages.cached_count())
 
 
 @functools.partial(jax.jit, static_argnames=("program", "window"), donate_argnames=("state",))
@@ -943,7 +1021,8 @@ class RequestResult:
   depth_histogram [D+1]: those rounds by accepted draft tokens (AR: [steps]); depth_visits [D], rank_hits and
   rank_mass [D, W]: its acceptance-profile counts (``decode.profile``; AR: D = 0); admitted / first /
   finished: the engine rounds at which it took a slot, drew its first token and finished; preempted: times its
-  slot was taken back for pages (its rows then recomputed)."""
+  slot was taken back for pages (its rows then recomputed); cached_tokens: prompt rows it took from the prefix
+  cache instead of computing them (every admission summed)."""
   id: int
   tokens: list[int]
   steps: int
@@ -955,6 +1034,7 @@ class RequestResult:
   first: int
   finished: int
   preempted: int = 0
+  cached_tokens: int = 0
 
 
 def acceptance(results: Sequence[RequestResult]) -> dict:
@@ -1008,12 +1088,13 @@ class Segment:
 class Update:
   """A collected segment: the requests that finished (by id), every outstanding request's new tokens ``new``
   {id: tokens} (the finished ones' last tokens included), the round counter at its end, the slot-rounds
-  that held a request in it and the KV pages held at its end."""
+  that held a request in it and the KV pages held at its end (and the free pages holding prefix-cached rows)."""
   finished: list[RequestResult]
   new: dict[int, list[int]]
   round: int
   busy: int
   pages_used: int = 0
+  pages_cached: int = 0
 
 
 class Engine:
@@ -1063,16 +1144,17 @@ class Engine:
   def for_requests(cls, target_cfg: Qwen3Config, target_params: dict, requests: Sequence[Request], *, slots: int,
                    rows: int | None = None, lanes: int | None = None, prefill_rows: int = 32, groups: int = 1,
                    tree: TreeConfig | None = None, key_buckets: int = 1, per_request_sampling: bool = False,
-                   page_rows: int = 16, pages: int | None = None, **kw) -> "Engine":
+                   page_rows: int = 16, pages: int | None = None, prefix_caching: bool = True, **kw) -> "Engine":
     """An engine whose slot capacity fits ``requests`` (rows default: every slot's whole tree; lanes: one per
-    group; KV ``pages`` of ``page_rows`` rows default: every slot's capacity)."""
+    group; KV ``pages`` of ``page_rows`` rows default: every slot's capacity; ``prefix_caching``: ``EnginePlan``'s)."""
     check_requests(requests, target_cfg)
     nodes = 1 if tree is None else tree.num_nodes()
     plan = EnginePlan(slots=slots, rows=rows or slots * nodes, lanes=lanes or groups, prefill_rows=prefill_rows,
                       max_prompt=max(len(r.prompt) for r in requests),
                       max_new_tokens=max(r.max_new_tokens for r in requests),
                       queue=-(-len(requests) // groups), groups=groups, tree=tree, key_buckets=key_buckets,
-                      per_request_sampling=per_request_sampling, page_rows=page_rows, pages=pages)
+                      per_request_sampling=per_request_sampling, page_rows=page_rows, pages=pages,
+                      prefix_caching=prefix_caching)
     return cls(target_cfg, target_params, plan, **kw)
 
   @property
@@ -1118,8 +1200,10 @@ class Engine:
     keys = np.zeros((cap,) + key_shape(), np.uint32)
     settings = np.zeros((cap, 3), np.float64)
     settings[:, 2] = 1.0
+    page_keys = np.zeros((cap, self.plan.prefix_pages, 2), np.int32)
     for i, r in enumerate(requests):
       prompt[i, :len(r.prompt)] = r.prompt
+      page_keys[i] = pages.prefix_keys(r.prompt, self.plan.page_rows, self.plan.prefix_pages)
       settings[i] = self.request_sampling(r)
       if r.key is not None:
         own[i], keys[i] = True, np.asarray(jax.random.key_data(r.key))
@@ -1127,7 +1211,7 @@ class Engine:
     self.state = enqueue(self.state, pad(groups, 0), pad(entries, self.plan.queue), pad(seqs, 0), prompt,
                          pad([len(r.prompt) for r in requests], 0), pad([r.max_new_tokens for r in requests], 0),
                          np.uint32(self.sampling.seed), keys, own, settings[:, 0].astype(np.float32),
-                         settings[:, 1].astype(np.int32), settings[:, 2].astype(np.float32))
+                         settings[:, 1].astype(np.int32), settings[:, 2].astype(np.float32), page_keys)
     for g, e, rid in zip(groups, entries, ids):
       self._entries[g][e] = rid
       self._tokens[rid] = []
@@ -1232,11 +1316,12 @@ class Engine:
                                     depth_histogram=r.depth_hist[g, e], depth_visits=r.depth_visits[g, e],
                                     rank_hits=r.rank_hits[g, e], rank_mass=r.rank_mass[g, e],
                                     admitted=int(r.admitted[g, e]), first=int(r.first[g, e]),
-                                    finished=int(r.finished[g, e]), preempted=int(r.preempted[g, e])))
+                                    finished=int(r.finished[g, e]), preempted=int(r.preempted[g, e]),
+                                    cached_tokens=int(r.cached[g, e])))
     finished.sort(key=lambda x: x.id)
     pool = self.plan.pool_pages(self.head_cfg)
     return Update(finished=finished, new=new, round=int(r.round), busy=int(np.sum(r.busy)),
-                  pages_used=pool - int(np.sum(r.free_pages)))
+                  pages_used=pool - int(np.sum(r.free_pages)), pages_cached=int(np.sum(r.cached_pages)))
 
   def step(self, rounds: int = 1 << 30) -> list[RequestResult]:
     """Run at most ``rounds`` rounds (until nothing is pending) and wait for them (``dispatch`` then
@@ -1306,6 +1391,9 @@ def check_requests(requests: Sequence[Request], cfg: Qwen3Config, plan: EnginePl
     if plan is not None and (n > plan.max_prompt or r.max_new_tokens > plan.max_new_tokens):
       raise JetSpecError(f"request {i}: a prompt of {n} tokens with max_new_tokens {r.max_new_tokens} does not fit "
                          f"a slot (at most {plan.max_prompt} prompt tokens and {plan.max_new_tokens} new tokens)")
+    if plan is not None and n + r.max_new_tokens > plan.committed_rows:
+      raise JetSpecError(f"request {i}: a prompt of {n} tokens plus max_new_tokens {r.max_new_tokens} is more than "
+                         f"the engine's max_model_len of {plan.committed_rows} tokens")
     if plan is not None:
       need, have = plan.request_pages(n + r.max_new_tokens, head_cfg), plan.pool_pages(head_cfg) // plan.groups
       if need > have:

@@ -55,18 +55,28 @@ def turn_positions(messages: Conversation) -> list[int]:
 
 def generate_batches(params, cfg, prompts: Sequence[Sequence[int]], *, batch_size: int, max_new_tokens: int,
                      eos_ids: tuple[int, ...], temperature: float, key: jax.Array, mesh=None, attn_impl="xla",
-                     prefill_chunk: int | None = None, on_batch=lambda tokens: None) -> list[list[int]]:
+                     prefill_chunk: int | None = None, kv_memory: float | None = None, page_rows: int = 16,
+                     on_batch=lambda tokens: None) -> list[list[int]]:
   """Generated ids (EOS included when hit) for each prompt: each its own AR generation.
 
   The prompts run through the continuous-batching engine (``decode.engine``) with ``batch_size`` slots (a
   multiple of the mesh's data axis): a finished response frees its slot for the next prompt at once.
   Prompt i of the length-sorted order samples with fold_in(fold_in(key, i // batch_size), i % batch_size),
   the key its row had in the static batches this replaced. Prompts are prefilled ``prefill_chunk`` rows per
-  lane and round (default 64; 0: a whole prompt). ``on_batch(generated_tokens)`` is called as responses finish.
+  lane and round (default 64; 0: a whole prompt). ``kv_memory``: GiB of KV pages of ``page_rows`` rows the slots
+  share (None: every slot's full context; a pool smaller than the load makes requests wait or be preempted, never
+  changing a response). ``on_batch(generated_tokens)`` is called as responses finish.
   """
   from jetspec_jax.attention import cache_rows
-  from jetspec_jax.decode.engine import Engine, Request
+  from jetspec_jax.decode.engine import Engine, Request, page_bytes
   data = 1 if mesh is None else mesh.shape["data"]
+  pages = None
+  if kv_memory is not None:
+    size = page_bytes(cfg, None, page_rows, params["embed"].dtype)
+    pages = int(kv_memory * (1 << 30) // size) // data * data
+    if pages < data:
+      raise JetSpecError(f"a KV memory of {kv_memory:g} GiB holds {pages} pages of {page_rows} rows ({size} bytes "
+                         f"each); give at least {data * size / (1 << 30):.3g} GiB")
   slots = -(-batch_size // data) * data
   order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
   requests = [Request(list(prompts[i]), max_new_tokens,
@@ -75,7 +85,8 @@ def generate_batches(params, cfg, prompts: Sequence[Sequence[int]], *, batch_siz
   rows = cache_rows(max(len(p) for p in prompts)) if prefill_chunk == 0 else (prefill_chunk or 64)
   engine = Engine.for_requests(cfg, params, requests, slots=slots, groups=data, lanes=data,
                                prefill_rows=rows, eos_ids=eos_ids, mesh=mesh, attn_impl=attn_impl,
-                               sampling_cfg=SamplingConfig(temperature=temperature))
+                               sampling_cfg=SamplingConfig(temperature=temperature), pages=pages,
+                               page_rows=page_rows)
   engine.start()
   engine.submit(requests)
   out: list[list[int]] = [[] for _ in prompts]
@@ -135,7 +146,7 @@ def regenerate(target, source: str, out_dir: str, *, max_new_tokens: int = 1024,
                temperature: float = 0.0, seed: int = 0, limit: int | None = None, chunk_size: int = 1024,
                max_turns: int = 1, enable_thinking: bool = False, max_prompt_tokens: int | None = None,
                mesh=None, dtype=None, attn_impl="xla", prefill_chunk: int | None = None,
-               progress: bool = True) -> dict:
+               kv_memory: float | None = None, page_rows: int = 16, progress: bool = True) -> dict:
   """Replace the responses of ``source`` (see ``sources.iter_conversations``) by the target's own.
 
   ``target``: a target path (HF directory or converted checkpoint, tokenizer beside it) or a loaded
@@ -144,7 +155,8 @@ def regenerate(target, source: str, out_dir: str, *, max_new_tokens: int = 1024,
   turn: it is skipped), and so does a response cut at ``max_new_tokens``. Returns a summary of this
   run: examples written, skipped, truncated responses, chunks written / reused, tokens generated,
   seconds. ``dtype``, ``attn_impl``, ``prefill_chunk``: the target's weights and generation (``decode.engine``);
-  prompts are prefilled ``prefill_chunk`` rows per round (default 64), memory-bounded at any length.
+  prompts are prefilled ``prefill_chunk`` rows per round (default 64), memory-bounded at any length; the KV cache
+  is ``kv_memory`` GiB of pages of ``page_rows`` rows (``generate_batches``).
   """
   if min(max_new_tokens, batch_size, chunk_size, max_turns) <= 0 or (limit is not None and limit <= 0):
     raise JetSpecError("max_new_tokens, batch_size, chunk_size, max_turns and limit must be positive")
@@ -224,7 +236,8 @@ def _regenerate_chunk(params, cfg, encoder: ChatEncoder, chunk: list[Conversatio
     outputs = generate_batches(params, cfg, [ids for _, _, ids in jobs], batch_size=batch_size,
                                max_new_tokens=max_new_tokens, eos_ids=eos_ids, temperature=temperature,
                                key=jax.random.fold_in(key, t), mesh=mesh, attn_impl=attn_impl,
-                               prefill_chunk=prefill_chunk, on_batch=count)
+                               prefill_chunk=prefill_chunk, kv_memory=kv_memory, page_rows=page_rows,
+                               on_batch=count)
     for (ex, context, _), ids in zip(jobs, outputs):
       finished = bool(ids) and ids[-1] in eos_ids
       response = ids[:-1] if finished else ids
