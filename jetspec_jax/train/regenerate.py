@@ -201,7 +201,7 @@ def regenerate(target, source: str, out_dir: str, *, max_new_tokens: int = 1024,
                              max_new_tokens=max_new_tokens, eos_ids=eos_ids, temperature=float(temperature),
                              key=jax.random.fold_in(jax.random.key(seed), k), max_turns=max_turns,
                              max_prompt_tokens=max_prompt_tokens, mesh=mesh, attn_impl=attn_impl,
-                             prefill_chunk=prefill_chunk)
+                             prefill_chunk=prefill_chunk, kv_memory=kv_memory, page_rows=page_rows)
     if writer:
       write_jsonl(os.path.join(out_dir, chunk_name(start, end)), rows)
     summary["examples"] += len(rows)
@@ -216,7 +216,7 @@ def regenerate(target, source: str, out_dir: str, *, max_new_tokens: int = 1024,
 
 def _regenerate_chunk(params, cfg, encoder: ChatEncoder, chunk: list[Conversation], start: int, summary: dict,
                       count, *, batch_size, max_new_tokens, eos_ids, temperature, key, max_turns,
-                      max_prompt_tokens, mesh, attn_impl, prefill_chunk) -> list[dict]:
+                      max_prompt_tokens, mesh, attn_impl, prefill_chunk, kv_memory, page_rows) -> list[dict]:
   """Rows ``{"index", "messages"}`` for ``chunk`` (source positions ``start, start + 1, ...``); turn t
   samples with ``fold_in(key, t)``."""
   examples = [_Example(start + j, c, turn_positions(c)[:max_turns]) for j, c in enumerate(chunk)]
