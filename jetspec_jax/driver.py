@@ -35,6 +35,7 @@ class Ticket:
   request: Request
   publish: Publish
   done: bool = False
+  cached_tokens: int = 0          # prompt rows the prefix cache supplied (set when it finishes)
 
 
 class Driver:
@@ -56,6 +57,10 @@ class Driver:
     self.rejected = 0                                  # requests the engine could not run (told, one sentence)
     self.decode_rounds = 0                             # finished requests' decode rounds and tokens after the first
     self.decoded_tokens = 0
+    self.prompt_tokens = 0                             # finished requests' prompt tokens, of them prefix-cached,
+    self.cached_tokens = 0                             # and their preemptions
+    self.preemptions = 0
+    self.pages_used = self.pages_cached = 0            # KV pages held, and free ones holding cached rows (last segment)
     self._thread = threading.Thread(target=self._run, name="jetspec-engine", daemon=True)
 
   def start(self) -> None:
@@ -180,10 +185,15 @@ class Driver:
   def _publish(self, update) -> None:
     """A collected segment's new tokens and finished requests to their tickets."""
     self.segments += 1
+    self.pages_used, self.pages_cached = update.pages_used, update.pages_cached
     for r in update.finished:
       self.decode_rounds += r.steps
       self.decoded_tokens += max(len(r.tokens) - 1, 0)
+      self.preemptions += r.preempted
+      self.cached_tokens += r.cached_tokens
       t = self._live.pop(r.id)
+      self.prompt_tokens += len(t.request.prompt)
+      t.cached_tokens = r.cached_tokens
       if not t.done:
         t.done = True
         t.publish(update.new.get(r.id, []), True, None)

@@ -143,6 +143,7 @@ class Event:
   text: str
   finish_reason: str | None = None
   completion_tokens: int = 0
+  cached_tokens: int = 0
 
 
 class Service:
@@ -374,7 +375,7 @@ class Service:
           yield Event(delta, "stop", text.used)
           return
         if done:
-          yield Event(delta + text.flush(), "stop" if eos else "length", count)
+          yield Event(delta + text.flush(), "stop" if eos else "length", count, run.ticket.cached_tokens)
           return
         if delta:
           yield Event(delta)
@@ -395,7 +396,8 @@ class Run:
 class Metrics:
   """The server's Prometheus metrics (``GET /metrics``), in a registry of its own: requests by outcome
   (completed, cancelled, failed, timeout, refused, unavailable, invalid), running and waiting requests, generated
-  tokens, time to first token and per output token, slot occupancy and tau of the finished requests."""
+  tokens, time to first token and per output token, slot occupancy and tau of the finished requests, KV pages in
+  the pool, held and cached, and the finished requests' prompt tokens, prefix-cached ones and preemptions."""
 
   def __init__(self, driver: Driver, slots: int):
     from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -413,14 +415,27 @@ class Metrics:
           registry=r).set_function(lambda: min(driver.running() / slots, 1.0))
     Gauge("jetspec_tau", "Committed tokens per decode round over the finished requests",
           registry=r).set_function(driver.tau)
+    Gauge("jetspec_kv_pages_used", "KV cache pages held by requests", registry=r).set_function(
+        lambda: driver.pages_used)
+    Gauge("jetspec_kv_pages_cached", "Free KV cache pages holding prefix-cached prompt rows",
+          registry=r).set_function(lambda: driver.pages_cached)
+    Gauge("jetspec_kv_pages", "KV cache pages in the pool", registry=r).set(
+        driver.engine.plan.pool_pages(driver.engine.head_cfg))
+    Gauge("jetspec_preemptions", "Times finished requests were preempted for pages (since start)",
+          registry=r).set_function(lambda: driver.preemptions)
+    Gauge("jetspec_prompt_tokens", "Prompt tokens of finished requests (since start)",
+          registry=r).set_function(lambda: driver.prompt_tokens)
+    Gauge("jetspec_prefix_cached_tokens", "Of them, rows taken from the prefix cache (since start)",
+          registry=r).set_function(lambda: driver.cached_tokens)
 
   def text(self) -> bytes:
     from prometheus_client import generate_latest
     return generate_latest(self.registry)
 
 
-def _usage(prompt: int, completion: int) -> dict:
-  return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+def _usage(prompt: int, completion: int, cached: int) -> dict:
+  return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+          "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def create_app(service: Service):
@@ -482,7 +497,7 @@ def create_app(service: Service):
       choice = ({"index": 0, "message": {"role": "assistant", "content": text}} if chat
                 else {"index": 0, "text": text})
       return {**head, "choices": [{**choice, "logprobs": None, "finish_reason": last.finish_reason}],
-              "usage": _usage(len(prompt), last.completion_tokens)}
+              "usage": _usage(len(prompt), last.completion_tokens, last.cached_tokens)}
 
     head["object"] = "chat.completion.chunk" if chat else "text_completion"
 
@@ -504,7 +519,7 @@ def create_app(service: Service):
           if ev.finish_reason is not None:
             yield chunk(None, ev.finish_reason)
             if job.include_usage:
-              usage = _usage(len(prompt), ev.completion_tokens)
+              usage = _usage(len(prompt), ev.completion_tokens, ev.cached_tokens)
               yield f"data: {json.dumps({**head, 'choices': [], 'usage': usage})}\n\n"
       except ApiError as e:
         yield f"data: {json.dumps(e.body())}\n\n"

@@ -379,10 +379,16 @@ def test_a_request_past_the_timeout_gets_504_and_frees_its_slot(server):
 
 
 def test_metrics_in_prometheus_text_format(server):
-  """GET /metrics after the requests above: outcomes, tokens, TTFT / TPOT histograms, occupancy, tau."""
+  """GET /metrics after the requests above: outcomes, tokens, TTFT / TPOT histograms, occupancy, tau, KV pages,
+  prefix-cached prompt rows (and the usage's cached_tokens), preemptions."""
   from prometheus_client.parser import text_string_to_metric_families
   url, service, _ = server
   client(url).completions.create(model=MODEL, prompt="the cat", max_tokens=5)
+  # One prompt of more than a 16-row page twice: the second takes its first full pages from the prefix cache.
+  prompt = [5 + i % 50 for i in range(40)]
+  first, again = (client(url).completions.create(model=MODEL, prompt=prompt, max_tokens=2) for _ in range(2))
+  assert first.usage.prompt_tokens_details.cached_tokens == 0
+  assert again.usage.prompt_tokens_details.cached_tokens == 32           # 2 of its (40 - 1) // 16 keyed pages
   families = {f.name: f for f in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=30).text)}
   value = lambda family, sample, **labels: next(s.value for s in families[family].samples
                                                 if s.name == sample and all(s.labels.get(k) == v for k, v in labels.items()))
@@ -393,6 +399,12 @@ def test_metrics_in_prometheus_text_format(server):
   assert value("jetspec_requests_running", "jetspec_requests_running") == 0
   assert 0 <= value("jetspec_slot_occupancy", "jetspec_slot_occupancy") <= 1
   assert value("jetspec_tau", "jetspec_tau") >= 1.0          # committed tokens per decode round: at least the root's
+  assert value("jetspec_kv_pages", "jetspec_kv_pages") == PLAN.pool_pages(service.driver.engine.head_cfg)
+  assert value("jetspec_kv_pages_used", "jetspec_kv_pages_used") == 0 <= value("jetspec_kv_pages_cached",
+                                                                                   "jetspec_kv_pages_cached")
+  assert value("jetspec_prompt_tokens", "jetspec_prompt_tokens") >= 80
+  assert value("jetspec_prefix_cached_tokens", "jetspec_prefix_cached_tokens") >= 32
+  assert value("jetspec_preemptions", "jetspec_preemptions") == 0
 
 
 def test_a_request_the_engine_cannot_run_is_told_and_touches_no_other(server):
