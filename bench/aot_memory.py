@@ -282,24 +282,28 @@ def ar_case(name: str, target: Qwen3Config, committed: int, batch: int, devices:
 
 
 def paged_case(name: str, c: ml_collections.ConfigDict, target: Qwen3Config, slots: int, context: int,
-               page_rows: int, pages: int | None, devices: tuple) -> tuple[dict, dict]:
+               page_rows: int, pages: int | None, devices: tuple, attention: str = "xla",
+               prefix_caching: bool = True) -> tuple[dict, dict]:
   """(table row, details) of the greedy speculative engine round (best_nodes, budget 16 per slot, width 7) at
   ``slots`` slots of ``context`` committed positions (3/4 prompt, 1/4 new), bf16, on ``devices`` (mesh 1 x n), its
   KV caches a pool of ``pages`` pages of ``page_rows`` rows (None: every slot's capacity, the contiguous
-  equivalent). Details: the weights' and the pool's bytes (args = weights + pool + the small state)."""
+  equivalent), ``attention`` the implementation inside the round (the paged kernels read the pool in place; the XLA
+  paths gather each slot's pages). Details: the weights' and the pool's bytes (args = weights + pool + the small
+  state)."""
   from jetspec_jax.decode.engine import page_bytes
   mesh = make_mesh(1, len(devices), devices)
   head_cfg = trainer.build_head_config(c, target, None)
   tree = speculative.TreeConfig("best_nodes", 16, 7, head_cfg.depth)
-  plan = dataclasses.replace(round_plan(context, slots, tree), page_rows=page_rows, pages=pages)
+  plan = dataclasses.replace(round_plan(context, slots, tree), page_rows=page_rows, pages=pages,
+                             prefix_caching=prefix_caching)
   pool = plan.pool_pages(head_cfg)
   pool_gb = pool * page_bytes(target, head_cfg, page_rows, jnp.bfloat16) / GB
   specs = {**qwen3.param_specs(target), **{f"head/{k}": v for k, v in draft_head.param_specs(head_cfg).items()}}
   weights_gb = sum(int(np.prod(s.shape)) for s in specs.values()) * 2 / GB
   t0 = time.perf_counter()
-  compiled = engine_program(target, head_cfg, plan, mesh)
+  compiled = engine_program(target, head_cfg, plan, mesh, attention=attention)
   label = "contiguous-equivalent" if pages is None else "paged"
-  row = {"config": name, "program": f"{label} engine x{slots}, context {context}, {pool} pages (per round)",
+  row = {"config": name, "program": f"{label} engine x{slots}, context {context}, {pool} pages, {attention} (per round)",
          "mesh": f"1x{mesh.size}", **memory_row(compiled), "compile_s": time.perf_counter() - t0}
   return row, {"slots": slots, "context": context, "page_rows": page_rows, "pool_pages": pool,
                "max_pages_per_slot": plan.max_pages(head_cfg), "scratch_rows": plan.scratch_rows(head_cfg),
@@ -450,7 +454,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--paged-slots needs the pool's size: --kv-pages or --kv-memory")
       for pool in (pages,) if args.no_contiguous else (pages, None):
         programs.append((f"paged/x{args.paged_slots}/{pool or 'contiguous'}", lambda pool=pool: paged_case(
-            name, c, target, args.paged_slots, args.paged_context, args.page_rows, pool, one_device)))
+            name, c, target, args.paged_slots, args.paged_context, args.page_rows, pool, one_device, args.attention,
+            args.prefix_caching)))
     if name in REGEN_CONFIGS and not args.no_regen:
       programs.append(("regen", lambda: regen_case(name, c, target, *map(int, args.regen.split(",")), devices)))
     for kind, run in programs:

@@ -290,6 +290,8 @@ def test_transfer_guard_and_fetch_hooks(monkeypatch):
   guard = jax.transfer_guard_device_to_host
   monkeypatch.setattr(jax, "transfer_guard_device_to_host", lambda level: levels.append(level) or guard(level))
   requests = random_requests(3, 3)
+  # Compiled first without the guard (the same program: the guard is not part of it), so only running it is guarded.
+  Engine.for_requests(CFG, target(), requests, slots=2, eos_ids=()).run(requests)
   engine = Engine.for_requests(CFG, target(), requests, slots=2, eos_ids=(), transfer_guard="disallow",
                                on_fetch=fetches.append)
   run = engine.run(requests)
