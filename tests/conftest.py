@@ -47,6 +47,24 @@ def _free_compiled_programs():
   jax.clear_caches()
 
 
+MAP_BUDGET = 40000   # memory maps a worker may hold after a test before its compiled programs are dropped
+
+
+@pytest.fixture(autouse=True)
+def _bounded_memory_maps():
+  """After a test, drop jax's compiled programs if the process holds over ``MAP_BUDGET`` memory maps: one module
+  (the engine's) compiles enough programs to pass vm.max_map_count (65530) on its own, and XLA then crashed
+  serializing an executable for the compilation cache (SIGSEGV)."""
+  yield
+  try:
+    with open("/proc/self/maps") as f:
+      maps = sum(1 for _ in f)
+  except OSError:                      # no procfs: nothing to measure
+    return
+  if maps > MAP_BUDGET:
+    jax.clear_caches()
+
+
 @pytest.fixture(scope="session")
 def hf_dir(tmp_path_factory):
   """hf_dir(name, dtype='float32', max_shard_size=None) -> path of the saved HF model (cached)."""
