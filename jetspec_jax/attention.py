@@ -11,15 +11,18 @@ Layout (shared by every implementation):
 
 Implementations: ``xla`` (reference, any backend), ``xla_chunked`` (the same numerics one block
 of ``QUERY_CHUNK`` queries at a time: its float32 scores are [B, Hkv, G, QUERY_CHUNK, S], never
-[B, Hkv, G, T, S]; for long prompts and training's frozen target), ``pallas`` (the Pallas Triton
+[B, Hkv, G, T, S]; for long prompts and training's frozen target), ``xla_ragged`` (on paged caches, each
+sequence's own pages only, ``RAGGED_CHUNK_ROWS`` at a time in a loop whose trip count follows the rows the
+batch holds: CPU's choice; on contiguous caches ``xla``), ``pallas`` (the Pallas Triton
 kernel of ``pallas_kernels.tree_attention``; ``pallas_interpret`` runs it on CPU) and ``mosaic`` (the
 Pallas Mosaic GPU kernel for Hopper, ``pallas_kernels.tree_attention_mgpu``, 16-bit inputs only;
 ``mosaic_interpret`` runs it in jax >= 0.12's Mosaic GPU interpreter). The choice travels as a
 static value: a name, or an ``AttentionImpl`` that also carries the Triton kernel's launch tuning table.
 
 Paged caches (``paged_attention``): k_pool / v_pool [G, Pg, Hkv, R, Dh] and a page table [B, T'] of page ids
-within each row's group (``jetspec_jax.pages``) stand for the caches ``pages.gather`` makes of them. The XLA
-implementations attend over exactly that gathered copy; the kernels read the pages through the table.
+within each row's group (``jetspec_jax.pages``) stand for the caches ``pages.gather`` makes of them. ``xla`` and
+``xla_chunked`` attend over exactly that gathered copy (every sequence as long as the table or ``length``);
+``xla_ragged`` and the kernels read each sequence's pages through the table, up to its own rows.
 """
 from __future__ import annotations
 
@@ -34,10 +37,10 @@ from jax.sharding import PartitionSpec as P
 from jetspec_jax import pages
 from jetspec_jax.errors import JetSpecError
 from pallas_kernels.errors import KernelError
-from pallas_kernels.reference import masked_attention, visible_keys, xla_attention
+from pallas_kernels.reference import cpu_upcast, masked_attention, visible_keys, xla_attention
 from pallas_kernels.tuning import KernelTuning, load_tuning
 
-IMPLEMENTATIONS = ("xla", "xla_chunked", "pallas", "pallas_interpret", "mosaic", "mosaic_interpret")
+IMPLEMENTATIONS = ("xla", "xla_chunked", "xla_ragged", "pallas", "pallas_interpret", "mosaic", "mosaic_interpret")
 CACHE_ROWS_MULTIPLE = 8   # KV cache lengths: the Mosaic GPU kernel's TMA boxes start at multiples of 8 rows
 
 
@@ -45,6 +48,9 @@ def cache_rows(rows: int) -> int:
   """A KV cache length holding ``rows`` rows: rounded up to ``CACHE_ROWS_MULTIPLE``."""
   return -(-rows // CACHE_ROWS_MULTIPLE) * CACHE_ROWS_MULTIPLE
 QUERY_CHUNK = 256   # queries per block of ``xla_chunked``
+RAGGED_CHUNK_ROWS = 128   # ``xla_ragged``: key rows per chunk (whole pages: at least one page)
+RAGGED_BLOCK = 8          # ``xla_ragged``: chunks per loop iteration
+FLOOR = -1e30             # ``xla_ragged``: the running max of a row that has seen no key yet
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,10 +62,10 @@ class AttentionImpl:
 
 
 def resolve_implementation(name: str | None, kernel_tuning: str | os.PathLike | None = None) -> AttentionImpl:
-  """'auto' / None -> ``pallas`` on GPU, ``xla`` elsewhere; other names are checked. ``kernel_tuning``:
+  """'auto' / None -> ``pallas`` on GPU, ``xla_ragged`` on CPU, ``xla`` elsewhere; other names are checked. ``kernel_tuning``:
   a tuning table file (JSON, see ``pallas_kernels.tuning``) for the kernel, read and checked here."""
   if name in (None, "auto"):
-    name = "pallas" if jax.default_backend() == "gpu" else "xla"
+    name = {"gpu": "pallas", "cpu": "xla_ragged"}.get(jax.default_backend(), "xla")
   if name not in IMPLEMENTATIONS:
     raise JetSpecError(f"unknown attention implementation {name!r}; choose auto or one of {', '.join(IMPLEMENTATIONS)}")
   check_available(name)
@@ -103,6 +109,72 @@ def chunked_attention(q, k_cache, v_cache, prefix_len, block_mask, *, sm_scale: 
   return out[:, :num_q]
 
 
+def ragged_paged_attention(q, k_pool, v_pool, table, prefix_len, block_mask, *, sm_scale: float | None = None,
+                           length: int | None = None, chunk_rows: int = RAGGED_CHUNK_ROWS,
+                           block: int = RAGGED_BLOCK):
+  """``paged_attention`` in XLA reading each sequence's own pages only: its keys 0 .. prefix_len[b] + T - 1 (at
+  most ``length``) in chunks of whole pages (``chunk_rows`` rounded to pages), ``block`` chunks of the group's
+  sequences per iteration of a while loop that runs until every chunk is seen: the work follows the rows the
+  sequences hold, not the longest one. A sequence holding no page (table[b, 0] < 0) reads nothing and gives
+  zeros. Each chunk's softmax statistics (max, sum, weighted values) in float32 merge into its sequence's, so the
+  result is the gathered ``xla``'s up to float32 rounding. Shapes: ``paged_attention``; per group (vmapped)."""
+  groups, _, num_kv, page_rows, head_dim = k_pool.shape
+  batch, num_q, num_heads, _ = q.shape
+  per, group = batch // groups, num_heads // num_kv
+  chunk_pages = max(1, chunk_rows // page_rows)
+  width = chunk_pages * page_rows
+  length = length or table.shape[1] * page_rows
+  scale = head_dim ** -0.5 if sm_scale is None else sm_scale
+  table = jnp.pad(table, ((0, 0), (0, chunk_pages)))        # a chunk's page ids never run off the table
+
+  def one_group(k_g, v_g, q_g, table_g, start_g, mask_g):
+    reach = jnp.minimum(start_g + num_q, length)
+    chunks = jnp.where(table_g[:, 0] >= 0, -(-reach // width), 0)                     # [S]
+    ends = jnp.cumsum(chunks)
+    total = ends[-1]
+    qg = q_g.reshape(per, num_q, num_kv, group, head_dim)
+
+    def step(carry):
+      i, m, l, o = carry
+      k = i * block + jnp.arange(block)                                               # this block's chunks
+      valid = k < total
+      seq = jnp.minimum(jnp.searchsorted(ends, k, side="right"), per - 1)
+      first = (k - (ends[seq] - chunks[seq])) * chunk_pages                         # its first page in the table
+      ids = jax.vmap(lambda b, f: jax.lax.dynamic_slice_in_dim(table_g[b], f, chunk_pages))(seq, first)
+      rows = lambda pool: pool[jnp.maximum(ids, 0)].transpose(0, 2, 1, 3, 4).reshape(block, num_kv, width, head_dim)
+      pos = first[:, None] * page_rows + jnp.arange(width)                           # [K, W] cache rows
+      start = start_g[seq][:, None]
+      new = jnp.clip(pos - start, 0, num_q - 1)
+      in_block = jnp.take_along_axis(mask_g[seq], jnp.broadcast_to(new[:, None], (block, num_q, width)), axis=2)
+      in_new = ((pos >= start) & (pos < start + num_q))[:, None] & in_block
+      seen = ((pos < start)[:, None] | in_new) & (valid[:, None] & (pos < length))[:, None]    # [K, T, W]
+      scores = jnp.einsum("ktngd,knsd->kngts", *cpu_upcast(qg[seq], rows(k_g)), preferred_element_type=jnp.float32)
+      scores = jnp.where(seen[:, None, None], scores * scale, -jnp.inf)
+      top = jnp.maximum(jnp.max(scores, axis=-1), FLOOR)                               # [K, Hkv, G, T]
+      probs = jnp.exp(scores - top[..., None])
+      values = jnp.where(jnp.any(seen, axis=1)[:, None, :, None], rows(v_g), 0)       # unseen rows: never NaN
+      part = jnp.einsum("kngts,knsd->kngtd", *cpu_upcast(probs.astype(v_g.dtype), values),
+                        preferred_element_type=jnp.float32)
+      seq = jnp.where(valid, seq, per)                                                # padding chunks: dropped
+      m_new = m.at[seq].max(top, mode="drop")
+      l, o = l * jnp.exp(m - m_new), o * jnp.exp(m - m_new)[..., None]
+      w = jnp.exp(top - m_new[jnp.minimum(seq, per - 1)])
+      l = l.at[seq].add(jnp.sum(probs, axis=-1) * w, mode="drop")
+      o = o.at[seq].add(part * w[..., None], mode="drop")
+      return i + 1, m_new, l, o
+
+    stats = (per, num_kv, group, num_q)
+    init = (jnp.int32(0), jnp.full(stats, FLOOR, jnp.float32), jnp.zeros(stats, jnp.float32),
+            jnp.zeros(stats + (head_dim,), jnp.float32))
+    _, _, l, o = jax.lax.while_loop(lambda c: c[0] * block < total, step, init)
+    out = jnp.where(l[..., None] > 0, o / jnp.where(l > 0, l, 1.0)[..., None], 0.0)   # no key seen: zeros
+    return out.transpose(0, 3, 1, 2, 4).reshape(per, num_q, num_heads, head_dim)
+
+  by_group = lambda x: x.reshape((groups, per) + x.shape[1:])
+  out = jax.vmap(one_group)(k_pool, v_pool, by_group(q), by_group(table), by_group(prefix_len), by_group(block_mask))
+  return out.reshape(q.shape).astype(q.dtype)
+
+
 def _kernel_specs(mesh, batch: int, num_heads: int, num_kv: int, groups: int | None = None):
   """shard_map specs for the kernel: batch over ``data`` and heads over ``model`` where they divide. With
   ``groups`` (paged): the inputs are q, the pools [G, Pg, Hkv, R, Dh] (groups over ``data`` with the batch), the
@@ -139,10 +211,15 @@ def _run_kernel(fn, mesh, specs, *args):
     raise JetSpecError(str(e)) from None
 
 
+def _name(impl: str | AttentionImpl) -> str:
+  return impl.name if isinstance(impl, AttentionImpl) else impl
+
+
 def _xla(impl: str | AttentionImpl):
-  """The XLA implementation of ``impl`` (``xla`` or ``xla_chunked``), or None for a kernel."""
-  name = impl.name if isinstance(impl, AttentionImpl) else impl
-  return {"xla": xla_attention, "xla_chunked": chunked_attention}.get(name)
+  """The XLA implementation of ``impl`` on contiguous caches (``xla_ragged``'s is ``xla``'s), or None for a
+  kernel."""
+  name = _name(impl)
+  return {"xla": xla_attention, "xla_chunked": chunked_attention, "xla_ragged": xla_attention}.get(name)
 
 
 def attention(q, k_cache, v_cache, prefix_len, block_mask, *, impl: str | AttentionImpl = "xla",
@@ -160,13 +237,16 @@ def paged_attention(q, k_pool, v_pool, table, prefix_len, block_mask, *, impl: s
                     sm_scale: float | None = None, mesh=None, length: int | None = None):
   """``attention`` over page pools k_pool, v_pool [G, Pg, Hkv, R, Dh] read through ``table`` [B, T'] (the module
   docstring): the result of ``attention`` over ``pages.gather`` of the pools' first ``length`` rows (None: the
-  table's T' x R). The XLA implementations attend over that gathered copy; the kernels read only the table's
-  first cdiv(length, R) pages, page by page, under a ``mesh`` per shard (pools' groups and the batch over
-  ``data``, heads over ``model``)."""
+  table's T' x R). ``xla`` and ``xla_chunked`` attend over that gathered copy; ``xla_ragged`` reads each sequence's
+  own pages (``ragged_paged_attention``) and the kernels the table's first cdiv(length, R) pages, page by page,
+  both under a ``mesh`` per shard (pools' groups and the batch over ``data``, heads over ``model``)."""
   length = length or table.shape[1] * k_pool.shape[3]
+  specs = None if mesh is None else _kernel_specs(mesh, q.shape[0], q.shape[2], k_pool.shape[2], k_pool.shape[0])
+  if _name(impl) == "xla_ragged":          # per shard: each data shard's loop runs its own trips
+    fn = functools.partial(ragged_paged_attention, sm_scale=sm_scale, length=length)
+    return _run_kernel(fn, mesh, specs, q, k_pool, v_pool, table, prefix_len, block_mask)
   if xla := _xla(impl):
     return xla(q, pages.gather(k_pool, table, length), pages.gather(v_pool, table, length), prefix_len, block_mask,
                sm_scale=sm_scale)
   table = table[:, :pages.pages_for(length, k_pool.shape[3])]
-  specs = None if mesh is None else _kernel_specs(mesh, q.shape[0], q.shape[2], k_pool.shape[2], k_pool.shape[0])
   return _run_kernel(_kernel(impl, True, sm_scale), mesh, specs, q, k_pool, v_pool, table, prefix_len, block_mask)

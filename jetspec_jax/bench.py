@@ -48,7 +48,7 @@ def tree_variant(method: str, budget: int, width: int, depth: int, tree_options:
 
 
 def engine(target_params, cfg, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, slots: int,
-           head_params=None, head_cfg=None, tree=None, eos_ids=None, attn_impl: str = "xla", mesh=None, **kw):
+           head_params=None, head_cfg=None, tree=None, eos_ids=None, attn_impl: str = "auto", mesh=None, **kw):
   """An engine of ``slots`` slots for ``prompts`` (each prefilled in the round it is admitted), AR without a tree."""
   from jetspec_jax.attention import cache_rows
   from jetspec_jax.decode.engine import Engine
@@ -81,7 +81,7 @@ def time_mode(eng, prompts, max_new_tokens: int, repeats: int) -> dict:
 def run(target_params, cfg, head_params, head_cfg, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
         budgets: Sequence[int] = (16, 32, 64), width: int = 7, depth: int | None = None,
         methods: Sequence[str] = ("accum_logp",), batch_size: int = 1, repeats: int = 3, eos_ids=None,
-        attn_impl: str = "xla", mesh=None, hf_dir: str | None = None, tree_options: dict | None = None,
+        attn_impl: str = "auto", mesh=None, hf_dir: str | None = None, tree_options: dict | None = None,
         progress=print) -> dict:
   """AR, chain and, for each tree method, a tree per budget, on the same prompts; returns the result dict
   (see module doc). Tree modes are named ``<prefix>_b<budget>`` (``MODE_PREFIX``: tree_b16 is accum_logp);
@@ -127,7 +127,7 @@ def run(target_params, cfg, head_params, head_cfg, prompts: Sequence[Sequence[in
 
 
 def batch_invariance(target_params, cfg, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, batch_size: int,
-                     eos_ids=None, attn_impl: str = "xla", mesh=None):
+                     eos_ids=None, attn_impl: str = "auto", mesh=None):
   """The AR engine's greedy tokens of ``prompts`` with ``batch_size`` slots (the reference) and with one slot,
   compared by ``decode.agreement``'s rule: an ``Agreement``."""
   from jetspec_jax.decode.agreement import compare
@@ -140,7 +140,7 @@ def batch_invariance(target_params, cfg, prompts: Sequence[Sequence[int]], *, ma
 
 
 def collect_profile(target_params, cfg, head_params, head_cfg, prompts: Sequence[Sequence[int]], tree, *,
-                    max_new_tokens: int, batch_size: int = 1, eos_ids=None, attn_impl: str = "xla", mesh=None,
+                    max_new_tokens: int, batch_size: int = 1, eos_ids=None, attn_impl: str = "auto", mesh=None,
                     progress=None):
   """Greedy speculative generation of ``prompts`` with ``tree`` on an engine of ``batch_size`` slots:
   (``AcceptanceProfile`` of all rounds, tau)."""

@@ -1,8 +1,10 @@
 """Attention over paged KV caches (``jetspec_jax.attention.paged_attention``): both kernels read the pages through
-the table inside the kernel (interpret mode) and give the XLA path's result (attention over ``pages.gather``);
+the table inside the kernel (interpret mode), and ``xla_ragged`` each sequence's own pages in XLA, and they give the
+XLA path's result (attention over ``pages.gather``);
 pages out of order, unused table entries, ragged prefixes, under a mesh, and bad input."""
 from __future__ import annotations
 
+import functools
 import re
 import zlib
 
@@ -13,7 +15,7 @@ import pytest
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jetspec_jax import pages
-from jetspec_jax.attention import paged_attention
+from jetspec_jax.attention import paged_attention, ragged_paged_attention
 from jetspec_jax.errors import JetSpecError
 from pallas_kernels import tree_attention as ta
 from pallas_kernels import tree_attention_mgpu as tm
@@ -87,6 +89,36 @@ def test_triton_kernel_reads_the_pages(case, dtype):
 @pytest.mark.parametrize("case", CASES, ids=case_id)
 def test_mosaic_kernel_reads_the_pages(case):
   check("mosaic_interpret", zlib.crc32(case_id(case).encode()), jnp.bfloat16, **_problem_kw(case))
+
+
+@pytest.mark.parametrize("chunk_rows, block", [(8, 1), (16, 3), (128, 8)])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_ragged_xla_reads_each_sequences_own_pages(case, dtype, chunk_rows, block):
+  """``xla_ragged`` against the gathered XLA path: chunks of one page to several, one chunk per loop trip to
+  several sequences' chunks in one trip; NaN in every row no sequence may read never reaches the output."""
+  args, (k, v) = paged_problem(zlib.crc32(case_id(case).encode()), dtype=dtype, nan=True, **_problem_kw(case))
+  q, _, _, table, prefix_len, mask = args
+  out = jax.jit(functools.partial(ragged_paged_attention, chunk_rows=chunk_rows, block=block))(*args)
+  assert out.shape == q.shape and out.dtype == q.dtype
+  assert _rel_err(out, paged_attention(q, k, v, table, prefix_len, mask, impl="xla")) <= TOLERANCE[dtype]
+
+
+def test_ragged_xla_under_a_mesh_and_a_length(eight_devices):
+  """``xla_ragged`` per shard on a 2 x 2 mesh; ``length`` bounds the rows read; a sequence holding no page gives
+  zeros."""
+  from jetspec_jax.sharding import make_mesh
+  mesh = make_mesh(2, 2, jax.devices()[:4])
+  args, _ = paged_problem(7, page_rows=8, prefixes=(20, 0, 9, 33), num_q=6, group=2, head_dim=64,
+                          dtype=jnp.float32, groups=2, num_kv=2)
+  out = jax.jit(lambda *a: paged_attention(*a, impl="xla_ragged", mesh=mesh))(*args)
+  assert _rel_err(out, paged_attention(*args)) <= TOLERANCE[jnp.float32]
+  args, _ = paged_problem(6, page_rows=8, prefixes=(10, 3), num_q=4, group=1, head_dim=64, dtype=jnp.float32)
+  assert _rel_err(paged_attention(*args, impl="xla_ragged", length=14), paged_attention(*args, length=14)) <= \
+      TOLERANCE[jnp.float32]
+  q, k, v, table, prefix_len, mask = args
+  out = paged_attention(q, k, v, table.at[1].set(-1), prefix_len, mask, impl="xla_ragged")
+  assert not jnp.any(out[1]) and _rel_err(out[0], paged_attention(*args)[0]) <= TOLERANCE[jnp.float32]
 
 
 @pytest.mark.parametrize("kernel", ["pallas", pytest.param("mosaic", marks=mosaic_interpreter)])

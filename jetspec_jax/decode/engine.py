@@ -48,7 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jetspec_jax import pages
-from jetspec_jax.attention import cache_rows
+from jetspec_jax.attention import cache_rows, resolve_implementation
 from jetspec_jax.config import Qwen3Config
 from jetspec_jax.distributed import host_values
 from jetspec_jax.decode import budget, sampling, verify
@@ -1105,14 +1105,16 @@ class Engine:
   (dispatch the next, then collect the previous), submitting and cancelling between. ``step``: dispatch and
   collect at once.
 
-  ``drafter``: the speculative rounds' per-depth logits (``speculative.Drafter``; default the head). Instrumentation
+  ``attn_impl``: the attention implementation (``jetspec_jax.attention``; "auto": ``resolve_implementation``'s
+  choice for the backend). ``drafter``: the speculative rounds' per-depth logits (``speculative.Drafter``; default
+  the head). Instrumentation
   (benchmarks, tests): ``transfer_guard`` (one of ``TRANSFER_GUARDS``) runs every ``step``'s device loop, and waits
   for it, under ``jax.transfer_guard_device_to_host(transfer_guard)``; ``on_fetch(arrays)`` sees the device arrays
   ``step`` fetches to the host, just before."""
 
   def __init__(self, target_cfg: Qwen3Config, target_params: dict, plan: EnginePlan, *,
                head_cfg: DraftConfig | None = None, head_params: dict | None = None,
-               sampling_cfg=None, eos_ids: Sequence[int] | None = None, attn_impl="xla", mesh=None,
+               sampling_cfg=None, eos_ids: Sequence[int] | None = None, attn_impl="auto", mesh=None,
                cache_dtype=None, drafter: Drafter = head_drafter, transfer_guard: str | None = None,
                on_fetch: Callable[[tuple[jax.Array, ...]], None] | None = None):
     if transfer_guard is not None and transfer_guard not in TRANSFER_GUARDS:
@@ -1131,7 +1133,8 @@ class Engine:
       self.sampling = dataclasses.replace(self.sampling, accept=given.accept)
     self.regime = regime_for(self.sampling, plan.per_request_sampling)
     self.eos = resolve_eos(target_cfg, eos_ids)
-    self.attn_impl, self.mesh, self.drafter = attn_impl, mesh, drafter
+    self.attn_impl = resolve_implementation(attn_impl) if attn_impl == "auto" else attn_impl
+    self.mesh, self.drafter = mesh, drafter
     self.transfer_guard, self.on_fetch = transfer_guard, on_fetch
     self.cache_dtype = cache_dtype or target_params["embed"].dtype
     self.state = None
