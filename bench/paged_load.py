@@ -68,7 +68,8 @@ class Setup:
                       key_buckets=a.key_buckets, page_rows=a.page_rows, pages=pages)
 
   def engine(self, plan: EnginePlan) -> Engine:
-    return Engine(self.cfg, self.params, plan, eos_ids=(), **({} if self.head is None else
+    return Engine(self.cfg, self.params, plan, eos_ids=(), attn_impl=self.args.attention,
+                  **({} if self.head is None else
                                                               {"head_cfg": self.head[0], "head_params": self.head[1]}))
 
   @property
@@ -154,7 +155,8 @@ def shared_prefix(s: Setup, say) -> dict:
   for caching in (True, False):
     engine = Engine.for_requests(s.cfg, s.params, requests, slots=a.paged_slots, lanes=a.lanes,
                                  prefill_rows=a.prefill_rows, key_buckets=a.key_buckets, page_rows=a.page_rows,
-                                 pages=pages, eos_ids=(), prefix_caching=caching, **s.head_kw)
+                                 pages=pages, eos_ids=(), prefix_caching=caching, attn_impl=a.attention,
+                                 **s.head_kw)
     label = f"shared prefix, caching {'on' if caching else 'off'}"
     r = measured(engine, requests, say, label)
     computed = r["prompt_tokens_computed"]
@@ -205,6 +207,8 @@ def main(argv=None) -> dict:
   p.add_argument("--lanes", type=int, default=1, help="prefill lanes")
   p.add_argument("--prefill-rows", type=int, default=64, help="prompt rows per lane and round")
   p.add_argument("--key-buckets", type=int, default=4)
+  p.add_argument("--attention", default="auto", help="the engines' attention (auto: xla_ragged on CPU; xla gathers "
+                 "every slot's keys as long as the longest slot's)")
   p.add_argument("--shared-prefix", type=int, default=1000, help="part 2's system prompt tokens (0: no part 2)")
   p.add_argument("--prefix-requests", type=int, default=100)
   p.add_argument("--prefix-output", type=int, default=64, help="part 2's replies are capped at this many tokens")

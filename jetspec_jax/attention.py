@@ -116,7 +116,8 @@ def ragged_paged_attention(q, k_pool, v_pool, table, prefix_len, block_mask, *, 
   most ``length``) in chunks of whole pages (``chunk_rows`` rounded to pages), ``block`` chunks of the group's
   sequences per iteration of a while loop that runs until every chunk is seen: the work follows the rows the
   sequences hold, not the longest one. A sequence holding no page (table[b, 0] < 0) reads nothing and gives
-  zeros. Each chunk's softmax statistics (max, sum, weighted values) in float32 merge into its sequence's, so the
+  zeros. Rows past a sequence's own (the rest of its last chunk) are read but masked: like the gathered path,
+  this needs finite values there (the engine's pools only ever hold finite rows). Each chunk's softmax statistics (max, sum, weighted values) in float32 merge into its sequence's, so the
   result is the gathered ``xla``'s up to float32 rounding. Shapes: ``paged_attention``; per group (vmapped)."""
   groups, _, num_kv, page_rows, head_dim = k_pool.shape
   batch, num_q, num_heads, _ = q.shape
@@ -141,20 +142,21 @@ def ragged_paged_attention(q, k_pool, v_pool, table, prefix_len, block_mask, *, 
       seq = jnp.minimum(jnp.searchsorted(ends, k, side="right"), per - 1)
       first = (k - (ends[seq] - chunks[seq])) * chunk_pages                         # its first page in the table
       ids = jax.vmap(lambda b, f: jax.lax.dynamic_slice_in_dim(table_g[b], f, chunk_pages))(seq, first)
-      rows = lambda pool: pool[jnp.maximum(ids, 0)].transpose(0, 2, 1, 3, 4).reshape(block, num_kv, width, head_dim)
+      rows = lambda pool: pool[jnp.maximum(ids, 0)]                                   # [K, P, Hkv, R, Dh]
       pos = first[:, None] * page_rows + jnp.arange(width)                           # [K, W] cache rows
       start = start_g[seq][:, None]
       new = jnp.clip(pos - start, 0, num_q - 1)
       in_block = jnp.take_along_axis(mask_g[seq], jnp.broadcast_to(new[:, None], (block, num_q, width)), axis=2)
       in_new = ((pos >= start) & (pos < start + num_q))[:, None] & in_block
       seen = ((pos < start)[:, None] | in_new) & (valid[:, None] & (pos < length))[:, None]    # [K, T, W]
-      scores = jnp.einsum("ktngd,knsd->kngts", *cpu_upcast(qg[seq], rows(k_g)), preferred_element_type=jnp.float32)
-      scores = jnp.where(seen[:, None, None], scores * scale, -jnp.inf)
+      scores = jnp.einsum("ktngd,kpnrd->kngtpr", *cpu_upcast(qg[seq], rows(k_g)), preferred_element_type=jnp.float32)
+      scores = jnp.where(seen[:, None, None], scores.reshape(seen.shape[:1] + scores.shape[1:4] + (width,)) * scale,
+                         -jnp.inf)
       top = jnp.maximum(jnp.max(scores, axis=-1), FLOOR)                               # [K, Hkv, G, T]
       probs = jnp.exp(scores - top[..., None])
-      values = jnp.where(jnp.any(seen, axis=1)[:, None, :, None], rows(v_g), 0)       # unseen rows: never NaN
-      part = jnp.einsum("kngts,knsd->kngtd", *cpu_upcast(probs.astype(v_g.dtype), values),
-                        preferred_element_type=jnp.float32)
+      part = jnp.einsum("kngtpr,kpnrd->kngtd",
+                        *cpu_upcast(probs.astype(v_g.dtype).reshape(scores.shape[:4] + (chunk_pages, page_rows)),
+                                    rows(v_g)), preferred_element_type=jnp.float32)
       seq = jnp.where(valid, seq, per)                                                # padding chunks: dropped
       m_new = m.at[seq].max(top, mode="drop")
       l, o = l * jnp.exp(m - m_new), o * jnp.exp(m - m_new)[..., None]

@@ -19,7 +19,7 @@ from test_speculative import CFG, check_pages, head, run_stepwise, target
 TREE = TreeConfig("best_nodes", 16, 3, 4)
 
 
-def paged_engine(requests, tree, *, pages, slots=4, groups=1, mesh=None, eos=(), prefix_caching=True):
+def paged_engine(requests, tree, *, pages, slots=4, groups=1, mesh=None, eos=(), prefix_caching=True, attn="auto"):
   hcfg, hparams = head()
   kw = {} if tree is None else dict(head_cfg=hcfg, head_params=hparams)
   t = target()
@@ -28,7 +28,8 @@ def paged_engine(requests, tree, *, pages, slots=4, groups=1, mesh=None, eos=(),
     if tree is not None:
       kw["head_params"] = placed(hparams, draft_head.param_specs(hcfg), mesh)
   return Engine.for_requests(CFG, t, requests, slots=slots, lanes=groups, prefill_rows=8, groups=groups, tree=tree,
-                             page_rows=8, pages=pages, eos_ids=eos, mesh=mesh, prefix_caching=prefix_caching, **kw)
+                             page_rows=8, pages=pages, eos_ids=eos, mesh=mesh, prefix_caching=prefix_caching,
+                             attn_impl=attn, **kw)
 
 
 def shared_prefix_requests(seed: int, count: int, prefix: int = 24, max_own: int = 12, max_new: int = 24):
@@ -39,14 +40,16 @@ def shared_prefix_requests(seed: int, count: int, prefix: int = 24, max_own: int
                   int(rng.integers(1, max_new + 1))) for _ in range(count)]
 
 
-@pytest.mark.parametrize("tree", [None, TREE], ids=["ar", "best_nodes"])
-def test_a_pool_too_small_for_the_load_preempts_and_changes_no_token(tree):
+@pytest.mark.parametrize("tree, attn", [(None, "auto"), (TREE, "auto"), (None, "xla")],
+                         ids=["ar", "best_nodes", "ar-gathered"])
+def test_a_pool_too_small_for_the_load_preempts_and_changes_no_token(tree, attn):
   """4 slots, 9 requests of short prompts and up to 40 new tokens, a pool of 12 pages of 8 rows (a request holds
   up to 9): requests wait for the pages of their prompts, and running ones that grow past the pool are preempted and
   recomputed; after every round the allocator holds each page once and each slot the pages of its committed rows,
-  whose K/V equal a fresh forward's; tokens equal AR's."""
+  whose K/V equal a fresh forward's; tokens equal AR's. Attention: auto (xla_ragged on CPU: each slot reads its
+  own pages) and xla (every slot gathers the key bucket)."""
   requests = random_requests(11, 9, max_prompt=12, max_new=40)
-  engine = paged_engine(requests, tree, pages=12, eos=EOS)
+  engine = paged_engine(requests, tree, pages=12, eos=EOS, attn=attn)
   results = run_stepwise(engine, requests)
   run = type("Run", (), {"results": results})
   check_lossless(run, requests, EOS)
