@@ -1,0 +1,231 @@
+"""What an engine round moves, computes and launches on one H200 (deviceless), against the AR step's: per-kernel
+HBM bytes and dot FLOPs read from the compiled programs, with a roofline time model for the H200 and the H100.
+
+For each ``--config`` (Qwen3-8B, 30B-A3B shapes; bf16 weights and caches, one device, greedy, ``--attention``) and
+batch (``--batches``): the AR engine round (one token per slot) and the speculative round (best_nodes trees of
+each ``--budgets`` nodes per slot, width 7, the head's depth, every slot's whole tree verified) over slots of
+``--context`` committed positions, compiled ahead of time for an H200 with jax's CUDA plugin
+(``jetspec_jax.deviceless``). The round is the engine's decode body (``engine.ROUND_BODIES`` variant 0: no
+prefill lane). ``jetspec_jax.hlo_cost`` reads each kernel's bytes read and written and its dot FLOPs; per program:
+kernels, GB read / written, GFLOPs, the model's time on each device (``hlo_cost.roofline``: per kernel
+max(bytes / bandwidth, FLOPs / peak) plus a launch cost each; a model, not a measurement), the round's bytes
+against the AR step's at the same batch, and projected tokens/s at the taus of ``--taus`` (tokens per slot and
+round / the round's modelled time x batch).
+
+Layers: compiling a 36- or 48-layer program per row takes minutes on a CPU, so by default each program is
+compiled with ``--layers A B`` target layers (the head whole, its taps moved to the last layers) and the totals
+are extrapolated linearly to the config's layer count (the layers are identical, so each adds the same
+kernels; ``--full-layers`` compiles the real count instead, and the JSON says which). Also per program, the ten
+kernels (grouped by their jax source op) moving the most bytes that the AR step at that batch does not have.
+
+  python bench/round_bytes.py --configs qwen3_8b --out docs/benchmark_runs/round_bytes_<date>_<commit>.json
+  python bench/round_bytes.py --configs qwen3_8b --batches 1 --budgets 128 --full-layers     # check the model
+
+Needs ``pip install "jax[cuda12]==<jax's version>" absl-py`` (jax >= 0.12; docs/gpu.md).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import re
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import aot_memory  # noqa: E402  (sets JAX_PLATFORMS=cpu before jax starts)
+from jetspec_jax import deviceless, hlo_cost  # noqa: E402
+from jetspec_jax.bench import commit_of, format_table, machine_info, save_results  # noqa: E402
+from jetspec_jax.decode import speculative  # noqa: E402
+from jetspec_jax.errors import JetSpecError  # noqa: E402
+from jetspec_jax.sharding import make_mesh  # noqa: E402
+from jetspec_jax.train import trainer  # noqa: E402
+from jetspec_jax.train.config_file import load_config  # noqa: E402
+
+NAME = "round_bytes"
+TAUS = {"math500_b128": 9.56, "mtbench_b128": 4.88}     # published taus at budget 128 (shared/BRIEF.md)
+TOTAL_KEYS = ("kernels", "bytes_read", "bytes_written", "flops", "opaque_kernels")
+
+
+def models(name: str, layers: int):
+  """(target config cut to ``layers`` layers, head config: its layers whole, its taps the last target layers)."""
+  c = load_config(name)
+  target = dataclasses.replace(aot_memory.TARGETS[name], moe_dispatch="gather", num_hidden_layers=layers)
+  taps = len(c.head.target_layer_ids)
+  c.head.target_layer_ids = tuple(range(max(layers - taps, 0), layers))
+  return target, trainer.build_head_config(c, target, None)
+
+
+def program_kernels(name: str, layers: int, batch: int, budget: int | None, context: int, attention: str):
+  """(kernels of one decode round, loops without a trip count, compile seconds) of the AR round (``budget`` None)
+  or the speculative round."""
+  from jetspec_jax.decode import engine
+  target, head_cfg = models(name, layers)
+  mesh = make_mesh(1, 1, deviceless.h200_devices(1))
+  tree = None if budget is None else speculative.TreeConfig("best_nodes", budget, 7, head_cfg.depth)
+  plan = aot_memory.round_plan(context, batch, tree)
+  t0 = time.perf_counter()
+  compiled = aot_memory.engine_program(target, None if tree is None else head_cfg, plan, mesh, "greedy", attention)
+  text = compiled.as_text()
+  comps, body = hlo_cost.round_body(text, engine.ROUND_BODIES, 0)
+  return hlo_cost.kernels_of(comps, body), hlo_cost.unknown_trip_loops(comps, body), time.perf_counter() - t0
+
+
+def extrapolate(small: dict, large: dict, a: int, b: int, layers: int) -> dict:
+  """Totals at ``layers`` from those at ``a`` and ``b`` layers: linear in the layer count."""
+  return {k: small[k] + (large[k] - small[k]) * (layers - a) / (b - a) for k in small}
+
+
+def scale_kernels(small: list, large: list, a: int, b: int, layers: int) -> list:
+  """Per-source groups at ``layers``: a group's bytes linear in the layer count (``extrapolate`` per group)."""
+  g_small, g_large = groups(small), groups(large)
+  out = {}
+  for src in set(g_small) | set(g_large):
+    s, l = g_small.get(src, 0.0), g_large.get(src, 0.0)
+    out[src] = max(s + (l - s) * (layers - a) / (b - a), 0.0)
+  return out
+
+
+def group_key(k: hlo_cost.Kernel) -> str:
+  """What a kernel's bytes are about, alike across programs: a kernel reading an operand of 8 MB or more (a weight
+  matrix, a cache) by that operand's size (XLA drops the source of some fusions, e.g. its split-K matrix-vector
+  products); any other by its jax source op, layer numbers dropped."""
+  if k.largest_operand >= 8e6:
+    return f"reads a {k.largest_operand / 1e6:.1f} MB operand"
+  src = re.sub(r"layer_\d+", "layer_*", k.source).split("jetspec_round_bodies/while/body/")[-1]
+  return src if src != "?" else f"? {k.op} {k.name.split('.')[0]}"
+
+
+def groups(kernels: list) -> dict[str, float]:
+  """Bytes per round per ``group_key``."""
+  out: dict[str, float] = {}
+  for k in kernels:
+    out[group_key(k)] = out.get(group_key(k), 0.0) + k.bytes * k.count
+  return out
+
+
+def group_sources(kernels: list) -> dict[str, list[str]]:
+  """The jax sources (layer numbers dropped) behind each ``group_key``: what a size key stands for."""
+  out: dict[str, set] = {}
+  for k in kernels:
+    src = re.sub(r"layer_\d+", "layer_*", k.source).split("jetspec_round_bodies/while/body/")[-1]
+    out.setdefault(group_key(k), set()).add(src)
+  return {key: sorted(v) for key, v in out.items()}
+
+
+def case(args, name: str, batch: int, budget: int | None, say) -> dict:
+  a, b = args.layers
+  full = aot_memory.TARGETS[name].num_hidden_layers
+  label = "AR" if budget is None else f"best_nodes b{budget}"
+  if args.full_layers:
+    say(f"{name} x{batch} {label}: compiling {full} layers")
+    ks, unknown, secs = program_kernels(name, full, batch, budget, args.context, args.attention)
+    totals, by_source, how = hlo_cost.totals(ks), groups(ks), f"compiled at {full} layers"
+  else:
+    say(f"{name} x{batch} {label}: compiling {a} and {b} layers")
+    ks_a, unknown, s_a = program_kernels(name, a, batch, budget, args.context, args.attention)
+    ks_b, _, s_b = program_kernels(name, b, batch, budget, args.context, args.attention)
+    totals = extrapolate(hlo_cost.totals(ks_a), hlo_cost.totals(ks_b), a, b, full)
+    by_source, secs, how = scale_kernels(ks_a, ks_b, a, b, full), s_a + s_b, f"extrapolated from {a} and {b} layers"
+    ks = ks_b
+  time_model = {}
+  for dev_name, dev in hlo_cost.DEVICES.items():
+    launches = totals["kernels"] * dev.launch_s
+    # The per-kernel bound summed at the compiled layer count, scaled like the bytes (each layer's kernels alike).
+    per_kernel = hlo_cost.roofline(ks, dev)["kernel_time_s"]
+    floor = (hlo_cost.totals(ks)["bytes_read"] + hlo_cost.totals(ks)["bytes_written"]) / dev.bandwidth
+    bound = per_kernel * ((totals["bytes_read"] + totals["bytes_written"]) / dev.bandwidth) / floor if floor else 0.0
+    time_model[dev_name] = {"time_ms": 1e3 * (bound + launches), "bytes_floor_ms": 1e3 * (totals["bytes_read"] +
+                            totals["bytes_written"]) / dev.bandwidth, "flops_floor_ms": 1e3 * totals["flops"] / dev.peak,
+                            "launch_ms": 1e3 * launches}
+  return {"config": name, "batch": batch, "program": label, "budget": budget, "layers": how, "compile_s": secs,
+          "loops_without_trip_count": unknown, **{k: totals[k] for k in TOTAL_KEYS}, "time_model": time_model,
+          "by_source": by_source, "sources": group_sources(ks)}
+
+
+def rows_for(results: list[dict], taus: dict[str, float]) -> list[dict]:
+  """Table rows: one per program, the round against the AR step at its batch, tokens/s at each tau."""
+  ar = {(r["config"], r["batch"]): r for r in results if r["budget"] is None}
+  rows = []
+  for r in results:
+    base = ar.get((r["config"], r["batch"]))
+    row = {"config": r["config"], "batch": r["batch"], "program": r["program"], "kernels": round(r["kernels"]),
+           "GB read": r["bytes_read"] / 1e9, "GB written": r["bytes_written"] / 1e9, "GFLOP": r["flops"] / 1e9,
+           "H200 ms": r["time_model"]["h200"]["time_ms"], "H100 ms": r["time_model"]["h100"]["time_ms"]}
+    if base:
+      row["bytes vs AR"] = (r["bytes_read"] + r["bytes_written"]) / (base["bytes_read"] + base["bytes_written"])
+    per_round = {"AR": 1.0} if r["budget"] is None else {k: v for k, v in taus.items()}
+    for k, tau in per_round.items():
+      row[f"H200 tok/s ({k})"] = tau * r["batch"] / (r["time_model"]["h200"]["time_ms"] / 1e3)
+    rows.append(row)
+  return rows
+
+
+def beyond_ar(results: list[dict], top: int = 10) -> dict[str, list[dict]]:
+  """Per speculative program: the ``top`` groups (``group_key``) whose bytes per round exceed the AR step's at its
+  batch the most, with the sources behind each."""
+  ar = {(r["config"], r["batch"]): r for r in results if r["budget"] is None}
+  out = {}
+  for r in results:
+    base = ar.get((r["config"], r["batch"]))
+    if r["budget"] is None or base is None:
+      continue
+    extra = {k: v - base["by_source"].get(k, 0.0) for k, v in r["by_source"].items()}
+    best = sorted(((k, v) for k, v in extra.items() if v > 0), key=lambda kv: -kv[1])[:top]
+    out[f"{r['config']} x{r['batch']} {r['program']}"] = [
+        {"group": k, "gb_beyond_ar": v / 1e9, "sources": r["sources"].get(k, [])[:4]} for k, v in best]
+  return out
+
+
+def main(argv: list[str] | None = None) -> int:
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--configs", default="qwen3_8b", help="comma-separated: qwen3_8b, qwen3_30b_a3b")
+  p.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
+  p.add_argument("--budgets", type=int, nargs="+", default=[16, 64, 128, 256], help="tree nodes per slot")
+  p.add_argument("--wide", nargs="*", default=["64:4"], help="BATCH:NODES extra rounds (e.g. 64 slots of 4 nodes)")
+  p.add_argument("--context", type=int, default=4096, help="committed positions per slot")
+  p.add_argument("--attention", default="xla", help="attention inside the round: xla | mosaic | pallas")
+  p.add_argument("--layers", type=int, nargs=2, default=[2, 4], metavar=("A", "B"),
+                 help="compile at A and B target layers and extrapolate (default 2 4)")
+  p.add_argument("--full-layers", action="store_true", help="compile every layer instead")
+  p.add_argument("--max-budget-batch", type=int, default=16,
+                 help="the --budgets rounds run at batches up to this (larger batches: --wide only)")
+  p.add_argument("--out", default=None, help="JSON path (default bench/results/round_bytes.json)")
+  args = p.parse_args(argv)
+  try:
+    deviceless.require()
+  except JetSpecError as e:
+    p.exit(2, f"round_bytes: {e}\n")
+  say = lambda s: print(s, file=sys.stderr, flush=True)
+  cases = []
+  for name in args.configs.split(","):
+    if name not in ("qwen3_8b", "qwen3_30b_a3b"):
+      p.error(f"unknown config {name!r}; choose qwen3_8b or qwen3_30b_a3b")
+    for batch in args.batches:
+      cases.append((name, batch, None))
+      if batch <= args.max_budget_batch:
+        cases += [(name, batch, b) for b in args.budgets]
+    for spec in args.wide:
+      batch, nodes = (int(x) for x in spec.split(":"))
+      cases.append((name, batch, nodes))
+      if batch not in args.batches:
+        cases.append((name, batch, None))
+  results = [case(args, name, batch, budget, say) for name, batch, budget in dict.fromkeys(cases)]
+  rows = rows_for(results, TAUS)
+  print(format_table(rows))
+  for prog, items in beyond_ar(results).items():
+    print(f"\n{prog}: largest byte consumers beyond the AR step (GB per round)")
+    print(format_table([{"group": i["group"][-60:], "GB": i["gb_beyond_ar"],
+                         "sources": "; ".join(s[-50:] for s in i["sources"][:2])} for i in items]))
+  out = {"machine": machine_info(), "commit": commit_of(__file__), "settings": vars(args),
+         "devices": {k: dataclasses.asdict(v) for k, v in hlo_cost.DEVICES.items()}, "rows": rows,
+         "beyond_ar": beyond_ar(results), "programs": results}
+  for path in save_results(out, args.out, NAME):
+    say(f"JSON: {path}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
