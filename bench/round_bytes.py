@@ -46,6 +46,7 @@ from jetspec_jax.train.config_file import load_config  # noqa: E402
 
 NAME = "round_bytes"
 TAUS = {"math500_b128": 9.56, "mtbench_b128": 4.88}     # published taus at budget 128 (shared/BRIEF.md)
+CONFIGS = ("qwen3_8b", "qwen3_30b_a3b", "tiny")            # tiny: a compile-in-seconds one (tests)
 TOTAL_KEYS = ("kernels", "bytes_read", "bytes_written", "flops", "opaque_kernels")
 
 
@@ -181,7 +182,7 @@ def beyond_ar(results: list[dict], top: int = 10) -> dict[str, list[dict]]:
 
 def main(argv: list[str] | None = None) -> int:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  p.add_argument("--configs", default="qwen3_8b", help="comma-separated: qwen3_8b, qwen3_30b_a3b")
+  p.add_argument("--configs", default="qwen3_8b", help=f"comma-separated: {', '.join(CONFIGS)}")
   p.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
   p.add_argument("--budgets", type=int, nargs="+", default=[16, 64, 128, 256], help="tree nodes per slot")
   p.add_argument("--wide", nargs="*", default=["64:4"], help="BATCH:NODES extra rounds (e.g. 64 slots of 4 nodes)")
@@ -201,8 +202,8 @@ def main(argv: list[str] | None = None) -> int:
   say = lambda s: print(s, file=sys.stderr, flush=True)
   cases = []
   for name in args.configs.split(","):
-    if name not in ("qwen3_8b", "qwen3_30b_a3b"):
-      p.error(f"unknown config {name!r}; choose qwen3_8b or qwen3_30b_a3b")
+    if name not in CONFIGS:
+      p.error(f"unknown config {name!r}; choose from {', '.join(CONFIGS)}")
     for batch in args.batches:
       cases.append((name, batch, None))
       if batch <= args.max_budget_batch:

@@ -139,7 +139,7 @@ def ragged_paged_attention(q, k_pool, v_pool, table, prefix_len, block_mask, *, 
       i, m, l, o = carry
       k = i * block + jnp.arange(block)                                               # this block's chunks
       valid = k < total
-      seq = jnp.minimum(jnp.searchsorted(ends, k, side="right"), per - 1)
+      seq = jnp.minimum(jnp.searchsorted(ends, k, side="right", method="compare_all"), per - 1)
       first = (k - (ends[seq] - chunks[seq])) * chunk_pages                         # its first page in the table
       ids = jax.vmap(lambda b, f: jax.lax.dynamic_slice_in_dim(table_g[b], f, chunk_pages))(seq, first)
       rows = lambda pool: pool[jnp.maximum(ids, 0)]                                   # [K, P, Hkv, R, Dh]

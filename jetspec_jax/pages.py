@@ -158,7 +158,7 @@ def find(key: jax.Array, queries: jax.Array) -> tuple[jax.Array, jax.Array]:
   """One group's pages keyed as ``queries`` [..., 2] among its keys [Pg, 2]: (page [...], found [...]); a sorted
   search on the first word, then the second compared (a first word shared by two prefixes: not found)."""
   order = jnp.argsort(key[:, 0])
-  at = order[jnp.clip(jnp.searchsorted(key[order, 0], queries[..., 0]), 0, key.shape[0] - 1)]
+  at = order[jnp.clip(jnp.searchsorted(key[order, 0], queries[..., 0], method="sort"), 0, key.shape[0] - 1)]
   return at, jnp.all(key[at] == queries, axis=-1) & jnp.any(queries != 0, axis=-1)
 
 

@@ -12,6 +12,7 @@ import pytest
 from jetspec_jax import deviceless
 from jetspec_jax.bench import loop_report
 from jetspec_jax.config import Qwen3Config
+from jetspec_jax.models import qwen3
 from jetspec_jax.train.config_file import load_config
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -134,3 +135,22 @@ def test_the_engine_round_reads_paged_pools_with_the_kernels_for_h200():
     r = rounds[attention]
     assert r[call] > 0 and r["while_loops"] == 0 and r["conditionals"] == 0, (attention, r)
     assert r["temp"] < rounds["xla"]["temp"], (attention, r["temp"], rounds["xla"]["temp"])
+
+
+@needs_plugin
+def test_round_bytes_for_h200_grow_linearly_with_the_layers():
+  """bench/round_bytes.py's extrapolation: a round's kernels, bytes and FLOPs at 3 layers are those at 1 and 2
+  extended linearly; the round moves more than the AR step, which reads at least its weights."""
+  from bench import round_bytes
+  from jetspec_jax import hlo_cost
+  run = lambda layers, budget: hlo_cost.totals(round_bytes.program_kernels("tiny", layers, 2, budget, 256, "xla")[0])
+  at = {layers: run(layers, 4) for layers in (1, 2, 3)}
+  line = round_bytes.extrapolate(at[1], at[2], 1, 2, 3)
+  for key in ("kernels", "bytes_read", "bytes_written", "flops"):
+    assert line[key] == pytest.approx(at[3][key], rel=0.02), (key, line, at[3])
+  ar = run(2, None)
+  target, _ = round_bytes.models("tiny", 2)
+  mesh = aot_memory.make_mesh(1, 1, deviceless.h200_devices(1))
+  params = aot_memory.abstract_params(qwen3.param_specs(target), jnp.bfloat16, mesh)
+  weights = sum(2 * x.size for x in jax.tree.leaves(params))             # bf16
+  assert at[2]["bytes_read"] > ar["bytes_read"] >= 0.5 * weights and at[2]["flops"] > ar["flops"] > 0, (at[2], ar)
