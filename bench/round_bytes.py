@@ -213,17 +213,19 @@ def main(argv: list[str] | None = None) -> int:
       cases.append((name, batch, nodes))
       if batch not in args.batches:
         cases.append((name, batch, None))
-  results = [case(args, name, batch, budget, say) for name, batch, budget in dict.fromkeys(cases)]
-  rows = rows_for(results, TAUS)
-  print(format_table(rows))
-  for prog, items in beyond_ar(results).items():
+  results = []
+  for name, batch, budget in dict.fromkeys(cases):          # the JSON rewritten after each program
+    results.append(case(args, name, batch, budget, say))
+    out = {"machine": machine_info(), "commit": commit_of(__file__), "settings": vars(args),
+           "devices": {k: dataclasses.asdict(v) for k, v in hlo_cost.DEVICES.items()},
+           "rows": rows_for(results, TAUS), "beyond_ar": beyond_ar(results), "programs": results}
+    paths = save_results(out, args.out, NAME)
+  print(format_table(out["rows"]))
+  for prog, items in out["beyond_ar"].items():
     print(f"\n{prog}: largest byte consumers beyond the AR step (GB per round)")
     print(format_table([{"group": i["group"][-60:], "GB": i["gb_beyond_ar"],
                          "sources": "; ".join(s[-50:] for s in i["sources"][:2])} for i in items]))
-  out = {"machine": machine_info(), "commit": commit_of(__file__), "settings": vars(args),
-         "devices": {k: dataclasses.asdict(v) for k, v in hlo_cost.DEVICES.items()}, "rows": rows,
-         "beyond_ar": beyond_ar(results), "programs": results}
-  for path in save_results(out, args.out, NAME):
+  for path in paths:
     say(f"JSON: {path}")
   return 0
 
