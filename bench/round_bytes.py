@@ -13,7 +13,8 @@ against the AR step's at the same batch, and projected tokens/s at the taus of `
 round / the round's modelled time x batch).
 
 Layers: compiling a 36- or 48-layer program per row takes minutes on a CPU, so by default each program is
-compiled with ``--layers A B`` target layers (the head whole, its taps moved to the last layers) and the totals
+compiled with ``--layers A B`` target layers (default: as many as the head reads and one more; the head whole,
+its taps moved to the last layers, so its input projection keeps its width) and the totals
 are extrapolated linearly to the config's layer count (the layers are identical, so each adds the same
 kernels; ``--full-layers`` compiles the real count instead, and the JSON says which). Also per program, the ten
 kernels (grouped by their jax source op) moving the most bytes that the AR step at that batch does not have.
@@ -54,9 +55,16 @@ def models(name: str, layers: int):
   """(target config cut to ``layers`` layers, head config: its layers whole, its taps the last target layers)."""
   c = load_config(name)
   target = dataclasses.replace(aot_memory.TARGETS[name], moe_dispatch="gather", num_hidden_layers=layers)
-  taps = len(c.head.target_layer_ids)
-  c.head.target_layer_ids = tuple(range(max(layers - taps, 0), layers))
+  taps = tap_count(name)
+  if layers < taps:
+    raise JetSpecError(f"{name}'s head reads {taps} target layers: compile at least {taps} layers")
+  c.head.target_layer_ids = tuple(range(layers - taps, layers))
   return target, trainer.build_head_config(c, target, None)
+
+
+def tap_count(name: str) -> int:
+  """Target layers the config's head reads (its input projection's width depends on it; 1 for the rule's)."""
+  return len(load_config(name).head.target_layer_ids) or 1
 
 
 def program_kernels(name: str, layers: int, batch: int, budget: int | None, context: int, attention: str):
@@ -117,7 +125,7 @@ def group_sources(kernels: list) -> dict[str, list[str]]:
 
 
 def case(args, name: str, batch: int, budget: int | None, say) -> dict:
-  a, b = args.layers
+  a, b = args.layers or (tap_count(name), tap_count(name) + 1)
   full = aot_memory.TARGETS[name].num_hidden_layers
   label = "AR" if budget is None else f"best_nodes b{budget}"
   if args.full_layers:
@@ -188,8 +196,9 @@ def main(argv: list[str] | None = None) -> int:
   p.add_argument("--wide", nargs="*", default=["64:4"], help="BATCH:NODES extra rounds (e.g. 64 slots of 4 nodes)")
   p.add_argument("--context", type=int, default=4096, help="committed positions per slot")
   p.add_argument("--attention", default="xla", help="attention inside the round: xla | mosaic | pallas")
-  p.add_argument("--layers", type=int, nargs=2, default=[2, 4], metavar=("A", "B"),
-                 help="compile at A and B target layers and extrapolate (default 2 4)")
+  p.add_argument("--layers", type=int, nargs=2, default=None, metavar=("A", "B"),
+                 help="compile at A and B target layers and extrapolate (default: the head's taps and one more; "
+                      "fewer layers than taps would change the head)")
   p.add_argument("--full-layers", action="store_true", help="compile every layer instead")
   p.add_argument("--max-budget-batch", type=int, default=16,
                  help="the --budgets rounds run at batches up to this (larger batches: --wide only)")

@@ -144,7 +144,7 @@ def test_round_bytes_for_h200_grow_linearly_with_the_layers():
   from bench import round_bytes
   from jetspec_jax import hlo_cost
   run = lambda layers, budget: hlo_cost.totals(round_bytes.program_kernels("tiny", layers, 2, budget, 256, "xla")[0])
-  at = {layers: run(layers, 4) for layers in (1, 2, 3)}
+  at = {layers: run(layers, 4) for layers in (1, 2, 3)}                    # tiny's head reads one layer
   line = round_bytes.extrapolate(at[1], at[2], 1, 2, 3)
   for key in ("kernels", "bytes_read", "bytes_written", "flops"):
     assert line[key] == pytest.approx(at[3][key], rel=0.02), (key, line, at[3])
