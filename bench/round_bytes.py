@@ -9,8 +9,8 @@ each ``--budgets`` nodes per slot, width 7, the head's depth, every slot's whole
 prefill lane). ``jetspec_jax.hlo_cost`` reads each kernel's bytes read and written and its dot FLOPs; per program:
 kernels, GB read / written, GFLOPs, the model's time on each device (``hlo_cost.roofline``: per kernel
 max(bytes / bandwidth, FLOPs / peak) plus a launch cost each; a model, not a measurement), the round's bytes
-against the AR step's at the same batch, and projected tokens/s at the taus of ``--taus`` (tokens per slot and
-round / the round's modelled time x batch).
+against the AR step's at the same batch, and for budget-128 rounds tokens/s projected at the published taus
+(MATH-500 9.56, MT-Bench 4.88: tau x batch / the round's modelled time).
 
 Layers: compiling a 36- or 48-layer program per row takes minutes on a CPU, so by default each program is
 compiled with ``--layers A B`` target layers (default: as many as the head reads and one more; the head whole,
@@ -165,7 +165,8 @@ def rows_for(results: list[dict], taus: dict[str, float]) -> list[dict]:
            "H200 ms": r["time_model"]["h200"]["time_ms"], "H100 ms": r["time_model"]["h100"]["time_ms"]}
     if base:
       row["bytes vs AR"] = (r["bytes_read"] + r["bytes_written"]) / (base["bytes_read"] + base["bytes_written"])
-    per_round = {"AR": 1.0} if r["budget"] is None else {k: v for k, v in taus.items()}
+    # The published taus are budget 128's: other budgets get no projection (their tau is another).
+    per_round = {"AR": 1.0} if r["budget"] is None else taus if r["budget"] == 128 else {}
     for k, tau in per_round.items():
       row[f"H200 tok/s ({k})"] = tau * r["batch"] / (r["time_model"]["h200"]["time_ms"] / 1e3)
     rows.append(row)
