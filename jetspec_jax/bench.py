@@ -28,7 +28,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from jetspec_jax import files
+from jetspec_jax import files, hlo_cost
 from jetspec_jax.errors import JetSpecError
 
 MODE_PREFIX = {"accum_logp": "tree", "top2gap": "top2gap", "best_nodes": "best", "rank_caps": "caps",
@@ -373,8 +373,6 @@ def _json_default(x):
 
 # Host round-trips a compiled program can make: infeed / outfeed, send / recv, host callbacks.
 HOST_OPS = re.compile(r"\b(outfeed|infeed|send|recv|send-done|recv-done)\(|callback", re.IGNORECASE)
-_COMP = re.compile(r"^(?:ENTRY )?%([\w.\-]+) .*\{$")
-_INSTR = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (\(.*?\)|\S+) ([a-z][\w\-]*)\((.*)$")
 _ARRAY = re.compile(r"\b[a-z]+\d*\[([\d,]*)\]")
 _CALLEE = re.compile(r"\b(?:calls|to_apply|body|condition|true_computation|false_computation)=%([\w.\-]+)")
 
@@ -389,19 +387,11 @@ def _dims(shape: str) -> list[int]:
 
 
 def _computations(hlo: str) -> tuple[dict[str, list[tuple[str, str, str, str]]], str]:
-  """{computation: [(name, shape, opcode, rest of line)]} of a compiled HLO module, and the entry's name."""
-  comps, entry, current = {}, None, None
-  for line in hlo.splitlines():
-    line = re.sub(r"/\*.*?\*/", "", line)
-    head = _COMP.match(line)
-    if head:
-      current = comps.setdefault(head.group(1), [])
-      entry = head.group(1) if line.startswith("ENTRY") else entry
-      continue
-    ins = _INSTR.match(line)
-    if ins and current is not None:
-      current.append(ins.groups())
-  return comps, entry
+  """{computation: [(name, shape, opcode, rest of line: operands then attributes)]} of a compiled HLO module
+  (``hlo_cost.parse``), and the entry's name."""
+  comps, entry = hlo_cost.parse(hlo)
+  rest = lambda i: ", ".join(f"%{o}" for o in i.operands) + ")" + i.attrs
+  return {c: [(i.name, i.shape, i.op, rest(i)) for i in instrs] for c, instrs in comps.items()}, entry
 
 
 def hlo_dot_flops(hlo: str, unknown_trips: int | None = None, alternatives: str | None = None) -> float:
