@@ -88,8 +88,9 @@ def test_generate_takes_a_kernel_tuning_table(hf_dir, tmp_path, capsys, monkeypa
                       lambda self, *a, **kw: (seen.append(kw["attn_impl"]), init(self, *a, **kw))[1])
   argv = ["generate", "--target", hf_dir("dense_tied", "float32"), "--prompt-ids", "1,2", "--max-new-tokens", "2",
           "--json", "--kernel-tuning"]
+  # auto on CPU: xla_ragged
   code, stdout, _ = run(capsys, *argv, str(path))
-  assert code == 0 and seen == [AttentionImpl("xla", table)] and len(json.loads(stdout)["token_ids"]) == 2
+  assert code == 0 and seen == [AttentionImpl("xla_ragged", table)] and len(json.loads(stdout)["token_ids"]) == 2
   path.write_text('{"rules": [{"max_rows": 4, "blockr": 16}]}')
   code, _, err = run(capsys, *argv, str(path))
   assert code == 2 and "unknown key(s) ['blockr']" in err
