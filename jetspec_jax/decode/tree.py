@@ -52,7 +52,7 @@ the target took (``decode.profile``).
 Invariants of every tree: parents[i] < i for i > 0 (parents precede children),
 depths[i] = depths[parents[i]] + 1, sibling tokens are distinct, and padding nodes
 (valid False, only when the search ran out of nodes) come after all valid ones.
-Scores are float32; log_softmax is taken in float32 over the full vocabulary.
+Scores are float32: a node's log-prob is its logit minus its row's log-sum-exp over the full vocabulary, in float32.
 """
 from __future__ import annotations
 
@@ -134,7 +134,8 @@ def _chain(anchor: jax.Array, depth_logits: jax.Array, depth_tokens: jax.Array |
 
 
 def _fanout_caps(log_probs: jax.Array, method: str, width: int, beta: float, g0: float) -> jax.Array:
-  """Child cap [..., D] int32 per parent depth from the per-depth log-probs [..., D, V].
+  """Child cap [..., D] int32 per parent depth from the per-depth log-probs [..., D, V] (or logits: the top-2 gap is
+  the same).
 
   The top-2 gap is taken with two max reductions, not by slicing top_k's output: XLA rewrites
   top_k plus such slices into a full-vocabulary sort (~70x slower on CPU at V = 32k), and an
@@ -339,12 +340,18 @@ def build_tree(anchor: jax.Array, depth_logits: jax.Array, *, method: str, budge
                        f"({depth_logits.shape[1]}, {width})")
   if method == "static" and acceptance is None:
     raise JetSpecError("tree method 'static' needs an acceptance profile (`jetspec-jax profile`, then --tree-profile)")
-  log_probs = jax.nn.log_softmax(depth_logits.astype(jnp.float32), axis=-1)
-  top_lp, top_tok = jax.lax.top_k(log_probs, width)                      # [B, D, W]
+  # The top-W of the logits and one log-sum-exp per row, never the [B, D, V] log-probs: ranks and gaps are
+  # those of the logits, and a log-prob is its logit minus the row's log-sum-exp, which is shifted by the
+  # top-1 logit (the row's max: no max pass over the vocabulary, so two reads of the logits in all).
+  logits = depth_logits.astype(jnp.float32)
+  top_logit, top_tok = jax.lax.top_k(logits, width)                      # [B, D, W]
+  peak = jnp.max(top_logit, axis=-1, keepdims=True)      # top-1 (a max over W, not a slice: see _fanout_caps)
+  lse = peak + jnp.log(jnp.sum(jnp.exp(logits - peak), axis=-1, keepdims=True))   # [B, D, 1]
+  top_lp = top_logit - lse
   cand_lp = top_lp
   if depth_tokens is not None:
     top_tok = depth_tokens[:, :, :width]
-    cand_lp = jnp.take_along_axis(log_probs, top_tok.astype(jnp.int32), axis=-1)
+    cand_lp = jnp.take_along_axis(logits, top_tok.astype(jnp.int32), axis=-1) - lse
   anchor, top_tok = anchor.astype(jnp.int32), top_tok.astype(jnp.int32)
   if method == "static":
     tokens, parents, depths, valid, ancestors = _static_tree(anchor, top_tok, acceptance, budget)
@@ -355,9 +362,9 @@ def build_tree(anchor: jax.Array, depth_logits: jax.Array, *, method: str, budge
   else:
     if method == "rank_caps":
       per_depth = width if acceptance is None else np.maximum(1, np.sum(acceptance >= cap_threshold, axis=1))
-      caps = jnp.broadcast_to(jnp.asarray(per_depth, jnp.int32), log_probs.shape[:2])
+      caps = jnp.broadcast_to(jnp.asarray(per_depth, jnp.int32), logits.shape[:2])
     else:
-      caps = _fanout_caps(log_probs, method, width, top2gap_beta, top2gap_g0)  # [B, D]
+      caps = _fanout_caps(logits, method, width, top2gap_beta, top2gap_g0)  # [B, D]
     tokens, parents, depths, valid, ancestors = jax.vmap(
         lambda a, t, lp, c: _heap_tree(a, t, lp, c, budget))(anchor, top_tok, top_lp, caps)
   return Tree(tokens=tokens, parents=parents, depths=depths, valid=valid, ancestors=ancestors, candidates=top_tok,
