@@ -162,7 +162,10 @@ class DraftHead(nnx.Module):
   def context_kv(self, features: jax.Array, positions: jax.Array) -> list[tuple[jax.Array, jax.Array]]:
     """Every layer's keys/values [B, Hkv, R, Dh] of context rows (taps [B, R, F]) at ``positions`` [B, R]."""
     ctx = self.fuse(features)
-    return [layer.attn.keys_values(ctx, positions) for layer in self.layers]
+    # One operand per layer: XLA would merge the layers' projections of one shared ctx into a single dot over
+    # their concatenated weights, copying every layer's K/V weights each round to do it.
+    ctxs = jax.lax.optimization_barrier((ctx,) * len(self.layers))
+    return [layer.attn.keys_values(c, positions) for layer, c in zip(self.layers, ctxs)]
 
   def append_context(self, cache: qwen3.KVCache, features: jax.Array, start: jax.Array,
                      table: jax.Array | None = None) -> qwen3.KVCache:
