@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import os
 import sys
 import time
@@ -214,6 +215,23 @@ def engine_program(target: Qwen3Config, head_cfg, plan, mesh, sampling: str = "g
   """The engine's device loop (``engine.run_rounds``) for ``plan`` compiled with abstract bf16 weights, caches and
   state: caches sharded as ``qwen3.CACHE_AXES``, per-slot state replicated (``sampling``: ``ENGINE_SAMPLING``)."""
   from jetspec_jax.decode import engine
+  program, target_params, head_params, state, small = engine_inputs(target, head_cfg, plan, mesh, sampling, attention)
+  return engine.run_rounds.lower(target_params, head_params, state, small(jax.ShapeDtypeStruct((), jnp.int32)),
+                                 program=program, window=engine.token_window(plan, 1 << 30)).compile()
+
+
+def round_program(target: Qwen3Config, head_cfg, plan, mesh, sampling: str = "greedy", attention: str = "xla"):
+  """ONE engine decode round (``engine.engine_round`` without prefill lanes) alone, compiled as ``engine_program``:
+  a program whose whole cost is the round's (a TPU's ``cost_analysis`` covers a whole program)."""
+  from jetspec_jax.decode import engine
+  program, target_params, head_params, state, _ = engine_inputs(target, head_cfg, plan, mesh, sampling, attention)
+  one = functools.partial(engine.engine_round, program=program, prefill=False)
+  return jax.jit(one, donate_argnums=2).lower(target_params, head_params, state).compile()
+
+
+def engine_inputs(target: Qwen3Config, head_cfg, plan, mesh, sampling: str = "greedy", attention: str = "xla"):
+  """(RoundProgram, abstract target params, head params, engine state, a replicated-struct maker) for ``plan``."""
+  from jetspec_jax.decode import engine
   from jetspec_jax.decode.regime import regime_for
   from jetspec_jax.decode.sampling import SamplingConfig
   dtype = jnp.bfloat16
@@ -229,8 +247,7 @@ def engine_program(target: Qwen3Config, head_cfg, plan, mesh, sampling: str = "g
   s = (SamplingConfig(temperature, 20, 0.95, "rejection") if temperature else SamplingConfig()).resolved()
   program = engine.RoundProgram(plan=plan, cfg=target, head_cfg=head_cfg, eos_ids=(),
                                 regime=regime_for(s, plan.per_request_sampling), attn_impl=attention, mesh=mesh)
-  return engine.run_rounds.lower(target_params, head_params, state, small(jax.ShapeDtypeStruct((), jnp.int32)),
-                                 program=program, window=engine.token_window(plan, 1 << 30)).compile()
+  return program, target_params, head_params, state, small
 
 
 def round_plan(committed: int, slots: int, tree, sampling: str = "greedy", lanes: int = 1, prefill_rows: int = 64):

@@ -82,6 +82,38 @@ def program_kernels(name: str, layers: int, batch: int, budget: int | None, cont
   return hlo_cost.kernels_of(comps, body), hlo_cost.unknown_trip_loops(comps, body), time.perf_counter() - t0
 
 
+def tpu_program_totals(name: str, layers: int, batch: int, budget: int | None, context: int, chip: str):
+  """(bytes accessed and FLOPs of ONE decode round compiled for one TPU ``chip``, from its ``cost_analysis()``;
+  compile seconds): the round alone (``aot_memory.round_program``), since a TPU's cost covers a whole program."""
+  target, head_cfg = models(name, layers)
+  mesh = make_mesh(1, 1, deviceless.tpu_devices(chip))
+  tree = None if budget is None else speculative.TreeConfig("best_nodes", budget, 7, head_cfg.depth)
+  plan = aot_memory.round_plan(context, batch, tree)
+  t0 = time.perf_counter()
+  compiled = aot_memory.round_program(target, None if tree is None else head_cfg, plan, mesh, "greedy", "xla")
+  cost = compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+  return {"bytes": float(cost["bytes accessed"]), "flops": float(cost["flops"])}, time.perf_counter() - t0
+
+
+def tpu_case(args, name: str, batch: int, budget: int | None, say) -> dict:
+  """``case`` for a TPU ``--target``: the program's bytes accessed and FLOPs, and a whole-program roofline (a
+  lower bound: max(bytes / bandwidth, FLOPs / peak), no per-op bound, no launch cost)."""
+  a, b = args.layers or (tap_count(name), tap_count(name) + 1)
+  full = aot_memory.TARGETS[name].num_hidden_layers
+  label = "AR" if budget is None else f"best_nodes b{budget}"
+  counts = (full,) if args.full_layers else (a, b)
+  say(f"{name} x{batch} {label} on {args.target}: compiling {' and '.join(map(str, counts))} layers")
+  got = [tpu_program_totals(name, n, batch, budget, args.context, args.target) for n in counts]
+  totals = got[0][0] if args.full_layers else extrapolate(got[0][0], got[1][0], a, b, full)
+  dev = hlo_cost.TPU_DEVICES[args.target]
+  floors = {"bytes_floor_ms": 1e3 * totals["bytes"] / dev.bandwidth, "flops_floor_ms": 1e3 * totals["flops"] / dev.peak}
+  return {"config": name, "batch": batch, "program": label, "budget": budget, "target": args.target,
+          "layers": f"compiled at {full} layers" if args.full_layers else f"extrapolated from {a} and {b} layers",
+          "compile_s": sum(t for _, t in got), **totals,
+          "time_model": {args.target: {"time_ms": max(floors.values()), **floors}}}
+
+
 def extrapolate(small: dict, large: dict, a: int, b: int, layers: int) -> dict:
   """Totals at ``layers`` from those at ``a`` and ``b`` layers: linear in the layer count."""
   return {k: small[k] + (large[k] - small[k]) * (layers - a) / (b - a) for k in small}
@@ -116,12 +148,14 @@ def groups(kernels: list) -> dict[str, float]:
 
 
 def group_sources(kernels: list) -> dict[str, list[str]]:
-  """The jax sources (layer numbers dropped) behind each ``group_key``: what a size key stands for."""
-  out: dict[str, set] = {}
+  """The jax sources (layer numbers dropped) behind each ``group_key``, the most bytes first: what a size key
+  stands for."""
+  out: dict[str, dict[str, float]] = {}
   for k in kernels:
     src = re.sub(r"layer_\d+", "layer_*", k.source).split("jetspec_round_bodies/while/body/")[-1]
-    out.setdefault(group_key(k), set()).add(src)
-  return {key: sorted(v) for key, v in out.items()}
+    per = out.setdefault(group_key(k), {})
+    per[src] = per.get(src, 0.0) + k.bytes * k.count
+  return {key: sorted(per, key=lambda src: (-per[src], src)) for key, per in out.items()}
 
 
 def case(args, name: str, batch: int, budget: int | None, say) -> dict:
@@ -149,8 +183,9 @@ def case(args, name: str, batch: int, budget: int | None, say) -> dict:
     time_model[dev_name] = {"time_ms": 1e3 * (bound + launches), "bytes_floor_ms": 1e3 * (totals["bytes_read"] +
                             totals["bytes_written"]) / dev.bandwidth, "flops_floor_ms": 1e3 * totals["flops"] / dev.peak,
                             "launch_ms": 1e3 * launches}
-  return {"config": name, "batch": batch, "program": label, "budget": budget, "layers": how, "compile_s": secs,
-          "loops_without_trip_count": unknown, **{k: totals[k] for k in TOTAL_KEYS}, "time_model": time_model,
+  return {"config": name, "batch": batch, "program": label, "budget": budget, "target": "h200", "layers": how,
+          "compile_s": secs, "loops_without_trip_count": unknown, **{k: totals[k] for k in TOTAL_KEYS},
+          "bytes": totals["bytes_read"] + totals["bytes_written"], "time_model": time_model,
           "by_source": by_source, "sources": group_sources(ks)}
 
 
@@ -160,15 +195,21 @@ def rows_for(results: list[dict], taus: dict[str, float]) -> list[dict]:
   rows = []
   for r in results:
     base = ar.get((r["config"], r["batch"]))
-    row = {"config": r["config"], "batch": r["batch"], "program": r["program"], "kernels": round(r["kernels"]),
-           "GB read": r["bytes_read"] / 1e9, "GB written": r["bytes_written"] / 1e9, "GFLOP": r["flops"] / 1e9,
-           "H200 ms": r["time_model"]["h200"]["time_ms"], "H100 ms": r["time_model"]["h100"]["time_ms"]}
+    row = {"config": r["config"], "batch": r["batch"], "program": r["program"]}
+    if r["target"] in hlo_cost.TPU_DEVICES:
+      first = r["target"]
+      row.update({"GB accessed": r["bytes"] / 1e9, "GFLOP": r["flops"] / 1e9, f"{first} ms": r["time_model"][first]["time_ms"]})
+    else:
+      first = "h200"
+      row.update({"kernels": round(r["kernels"]), "GB read": r["bytes_read"] / 1e9,
+                  "GB written": r["bytes_written"] / 1e9, "GFLOP": r["flops"] / 1e9,
+                  "H200 ms": r["time_model"]["h200"]["time_ms"], "H100 ms": r["time_model"]["h100"]["time_ms"]})
     if base:
-      row["bytes vs AR"] = (r["bytes_read"] + r["bytes_written"]) / (base["bytes_read"] + base["bytes_written"])
+      row["bytes vs AR"] = r["bytes"] / base["bytes"]
     # The published taus are budget 128's: other budgets get no projection (their tau is another).
     per_round = {"AR": 1.0} if r["budget"] is None else taus if r["budget"] == 128 else {}
     for k, tau in per_round.items():
-      row[f"H200 tok/s ({k})"] = tau * r["batch"] / (r["time_model"]["h200"]["time_ms"] / 1e3)
+      row[f"{first} tok/s ({k})"] = tau * r["batch"] / (r["time_model"][first]["time_ms"] / 1e3)
     rows.append(row)
   return rows
 
@@ -180,7 +221,7 @@ def beyond_ar(results: list[dict], top: int = 10) -> dict[str, list[dict]]:
   out = {}
   for r in results:
     base = ar.get((r["config"], r["batch"]))
-    if r["budget"] is None or base is None:
+    if r["budget"] is None or base is None or "by_source" not in r:
       continue
     extra = {k: v - base["by_source"].get(k, 0.0) for k, v in r["by_source"].items()}
     best = sorted(((k, v) for k, v in extra.items() if v > 0), key=lambda kv: -kv[1])[:top]
@@ -196,7 +237,10 @@ def main(argv: list[str] | None = None) -> int:
   p.add_argument("--budgets", type=int, nargs="+", default=[16, 64, 128, 256], help="tree nodes per slot")
   p.add_argument("--wide", nargs="*", default=["64:4"], help="BATCH:NODES extra rounds (e.g. 64 slots of 4 nodes)")
   p.add_argument("--context", type=int, default=4096, help="committed positions per slot")
-  p.add_argument("--attention", default="xla", help="attention inside the round: xla | mosaic | pallas")
+  p.add_argument("--attention", default="xla", help="attention inside the round: xla | mosaic | pallas (GPU)")
+  p.add_argument("--target", default="h200", choices=["h200", *hlo_cost.TPU_DEVICES],
+                 help="h200: compiled for one H200 (per kernel, with the H100 model beside it); v5e / v6e / v5p: "
+                      "one round compiled for one TPU chip, its cost_analysis() (xla attention)")
   p.add_argument("--layers", type=int, nargs=2, default=None, metavar=("A", "B"),
                  help="compile at A and B target layers and extrapolate (default: the head's taps and one more; "
                       "fewer layers than taps would change the head)")
@@ -205,8 +249,11 @@ def main(argv: list[str] | None = None) -> int:
                  help="the --budgets rounds run at batches up to this (larger batches: --wide only)")
   p.add_argument("--out", default=None, help="JSON path (default bench/results/round_bytes.json)")
   args = p.parse_args(argv)
+  tpu = args.target in hlo_cost.TPU_DEVICES
+  if tpu and args.attention != "xla":
+    p.error(f"--attention {args.attention} is a GPU kernel; a TPU round is compiled with xla attention")
   try:
-    deviceless.require()
+    deviceless.tpu_devices(args.target) if tpu else deviceless.require()
   except JetSpecError as e:
     p.exit(2, f"round_bytes: {e}\n")
   say = lambda s: print(s, file=sys.stderr, flush=True)
@@ -225,9 +272,10 @@ def main(argv: list[str] | None = None) -> int:
         cases.append((name, batch, None))
   results = []
   for name, batch, budget in dict.fromkeys(cases):          # the JSON rewritten after each program
-    results.append(case(args, name, batch, budget, say))
+    results.append((tpu_case if tpu else case)(args, name, batch, budget, say))
+    devices = {args.target: hlo_cost.TPU_DEVICES[args.target]} if tpu else hlo_cost.DEVICES
     out = {"machine": machine_info(), "commit": commit_of(__file__), "settings": vars(args),
-           "devices": {k: dataclasses.asdict(v) for k, v in hlo_cost.DEVICES.items()},
+           "devices": {k: dataclasses.asdict(v) for k, v in devices.items()},
            "rows": rows_for(results, TAUS), "beyond_ar": beyond_ar(results), "programs": results}
     paths = save_results(out, args.out, NAME)
   print(format_table(out["rows"]))

@@ -5,6 +5,9 @@ Needs ``jax[cuda12]`` at jax's own version (plus ``absl-py`` for Mosaic GPU kern
 ``JAX_PLATFORMS=cpu`` (set here when unset) and ``JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1`` (no driver). The
 target is XLA's ``GpuTargetConfig`` text for an H200 (132 SMs, 4.8 TB/s, sm_90). ``cost_analysis()``
 is None for such programs; ``memory_analysis()`` and ``as_text()`` work.
+
+TPUs likewise (``tpu_devices``): ``jax[tpu]`` (libtpu) at jax's version, ``JAX_PLATFORMS=cpu``, a chip
+topology by name; there ``cost_analysis()`` gives a program's FLOPs and bytes accessed.
 """
 from __future__ import annotations
 
@@ -59,3 +62,24 @@ def h200_devices(count: int = 8) -> tuple:
 def h200_mesh(data: int, model: int):
   """A (data, model) mesh of data * model H200s (``sharding.make_mesh``'s axes)."""
   return make_mesh(data, model, h200_devices(data * model))
+
+
+TPU_TOPOLOGIES = {"v5e": "v5e:1x1", "v6e": "v6e:1x1", "v5p": "v5p:1x1x1"}     # one chip of each
+
+
+def tpu_available() -> bool:
+  """Whether libtpu is installed (it compiles for a TPU without one)."""
+  return importlib.util.find_spec("libtpu") is not None
+
+
+@functools.lru_cache(maxsize=None)
+def tpu_devices(chip: str, topology: str | None = None) -> tuple:
+  """The chips of a TPU ``topology`` (default: one ``chip``, ``TPU_TOPOLOGIES``; e.g. "v6e:2x4"), no TPU
+  attached: for meshes, shardings and ``.compile()``."""
+  if not tpu_available():
+    raise JetSpecError(f"compiling for a TPU needs libtpu: pip install \"jax[tpu]=={jax.__version__}\" in its own "
+                       "venv (no TPU needed)")
+  if topology is None and chip not in TPU_TOPOLOGIES:
+    raise JetSpecError(f"unknown TPU chip {chip!r}; choose from {', '.join(TPU_TOPOLOGIES)}")
+  from jax.experimental import topologies
+  return tuple(topologies.get_topology_desc(topology_name=topology or TPU_TOPOLOGIES[chip], platform="tpu").devices)

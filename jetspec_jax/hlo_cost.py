@@ -89,6 +89,13 @@ DEVICES = {
     "h100": Device("H100 SXM", 3.35e12, 989e12, LAUNCH_S, "NVIDIA H100 SXM datasheet: 3.35 TB/s HBM3, 989 TFLOP/s "
                    "dense bf16; launch cost as the H200's"),
 }
+# One TPU chip each (public spec sheets); a TPU program is costed whole (its compiled ``cost_analysis()``), with no
+# launch cost: XLA:TPU runs a program as one.
+TPU_DEVICES = {
+    "v5e": Device("TPU v5e", 819e9, 197e12, 0.0, "Google Cloud TPU v5e: 819 GB/s HBM, 197 TFLOP/s bf16, 16 GB"),
+    "v6e": Device("TPU v6e", 1640e9, 918e12, 0.0, "Google Cloud TPU v6e: 1,640 GB/s HBM, 918 TFLOP/s bf16, 32 GB"),
+    "v5p": Device("TPU v5p", 2765e9, 459e12, 0.0, "Google Cloud TPU v5p: 2,765 GB/s HBM, 459 TFLOP/s bf16, 95 GB"),
+}
 
 
 def array_bytes(shape: str) -> float:

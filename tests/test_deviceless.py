@@ -19,6 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench import aot_memory  # noqa: E402
 
 needs_plugin = pytest.mark.skipif(not deviceless.available(), reason="jax's CUDA plugin (jax[cuda12]) is not installed")
+needs_libtpu = pytest.mark.skipif(not deviceless.tpu_available(), reason="libtpu (jax[tpu]) is not installed")
 
 # Qwen3-30B-A3B's structure at a compile-in-seconds size: 2 sparse layers, 16 experts, top-4.
 SMALL_MOE = Qwen3Config(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
@@ -154,3 +155,50 @@ def test_round_bytes_for_h200_grow_linearly_with_the_layers():
   params = aot_memory.abstract_params(qwen3.param_specs(target), jnp.bfloat16, mesh)
   weights = sum(2 * x.size for x in jax.tree.leaves(params))             # bf16
   assert at[2]["bytes_read"] > ar["bytes_read"] >= 0.5 * weights and at[2]["flops"] > ar["flops"] > 0, (at[2], ar)
+
+
+@needs_plugin
+def test_the_planner_costs_rounds_for_h200_by_the_model():
+  """Planning for an H200 from this machine (``planner.modeled``): each candidate's round compiled for one H200
+  and costed by the roofline model, its tokens per round kept. A speculative round reads the head's weights and
+  launches its kernels besides the target's, so it models slower than the AR round; the choice follows the
+  modelled tokens per second."""
+  from bench import round_bytes
+  from jetspec_jax import hlo_cost
+  from jetspec_jax.decode import planner
+  from jetspec_jax.decode.speculative import TreeConfig
+  target, head_cfg = round_bytes.models("tiny", 2)
+  mesh = deviceless.h200_mesh(1, 1)
+  spec = planner.candidate_plans(4, TreeConfig("best_nodes", 8, 3, head_cfg.depth), row_factors=(2,))
+  spec = [s for s in spec if s[0] in ("ar", "best_nodes_rows8")]
+
+  def round_hlo(tree, rows):
+    plan = dataclasses.replace(aot_memory.round_plan(256, 4, tree), rows=rows)
+    return aot_memory.engine_program(target, None if tree is None else head_cfg, plan, mesh,
+                                     attention="xla").as_text()
+
+  calibrated = [planner.Candidate("ar", 4, 1e-3, 4.0), planner.Candidate("best_nodes_rows8", 8, 1e-3, 9.0)]
+  points = planner.modeled(calibrated, spec, round_hlo, hlo_cost.DEVICES["h200"])
+  assert [p.cost for p in points] == ["model H200 SXM"] * 2 and [p.tokens_per_round for p in points] == [4.0, 9.0]
+  ar, tree = (p.seconds_per_round for p in points)
+  assert 0 < ar < tree, (ar, tree)
+  assert planner.choose(points).name == ("ar" if 4.0 / ar > 9.0 / tree else "best_nodes_rows8")
+
+
+@needs_libtpu
+def test_round_bytes_for_a_tpu_chip_from_its_cost_analysis():
+  """bench/round_bytes.py --target v6e: one decode round compiled alone for one v6e chip; its cost_analysis() bytes
+  grow linearly with the layers (the extrapolation), and the speculative round moves and computes more than the
+  AR step, which reads at least its weights."""
+  from bench import round_bytes
+  run = lambda layers, budget: round_bytes.tpu_program_totals("tiny", layers, 2, budget, 256, "v6e")[0]
+  at = {layers: run(layers, 4) for layers in (1, 2, 3)}
+  line = round_bytes.extrapolate(at[1], at[2], 1, 2, 3)
+  assert line["bytes"] == pytest.approx(at[3]["bytes"], rel=0.05) and line["flops"] == pytest.approx(at[3]["flops"],
+                                                                                                      rel=0.05), (line, at)
+  ar = run(2, None)
+  target, _ = round_bytes.models("tiny", 2)
+  mesh = aot_memory.make_mesh(1, 1, deviceless.tpu_devices("v6e"))
+  weights = sum(2 * x.size for x in jax.tree.leaves(aot_memory.abstract_params(qwen3.param_specs(target), jnp.bfloat16,
+                                                                                mesh)))     # bf16
+  assert at[2]["bytes"] > ar["bytes"] >= 0.5 * weights and at[2]["flops"] > ar["flops"] > 0, (at[2], ar, weights)
