@@ -37,6 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import aot_memory  # noqa: E402  (sets JAX_PLATFORMS=cpu before jax starts)
+import jax  # noqa: E402
 from jetspec_jax import deviceless, hlo_cost  # noqa: E402
 from jetspec_jax.bench import commit_of, format_table, machine_info, save_results  # noqa: E402
 from jetspec_jax.decode import speculative  # noqa: E402
@@ -270,13 +271,21 @@ def main(argv: list[str] | None = None) -> int:
       cases.append((name, batch, nodes))
       if batch not in args.batches:
         cases.append((name, batch, None))
-  results = []
+  results, skipped = [], []
   for name, batch, budget in dict.fromkeys(cases):          # the JSON rewritten after each program
-    results.append((tpu_case if tpu else case)(args, name, batch, budget, say))
+    try:
+      results.append((tpu_case if tpu else case)(args, name, batch, budget, say))
+    except jax.errors.JaxRuntimeError as e:                  # e.g. a v5e chip's 16 GB: the program does not fit
+      if "RESOURCE_EXHAUSTED" not in str(e):
+        raise
+      reason = str(e).split("\n")[0]
+      say(f"{name} x{batch} {budget or 'AR'}: not compiled, it does not fit one {args.target}: {reason}")
+      skipped.append({"config": name, "batch": batch, "budget": budget, "reason": reason})
     devices = {args.target: hlo_cost.TPU_DEVICES[args.target]} if tpu else hlo_cost.DEVICES
     out = {"machine": machine_info(), "commit": commit_of(__file__), "settings": vars(args),
            "devices": {k: dataclasses.asdict(v) for k, v in devices.items()},
-           "rows": rows_for(results, TAUS), "beyond_ar": beyond_ar(results), "programs": results}
+           "rows": rows_for(results, TAUS), "beyond_ar": beyond_ar(results), "programs": results,
+           "not_compiled": skipped}
     paths = save_results(out, args.out, NAME)
   print(format_table(out["rows"]))
   for prog, items in out["beyond_ar"].items():
