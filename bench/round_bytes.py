@@ -19,10 +19,17 @@ are extrapolated linearly to the config's layer count (the layers are identical,
 kernels; ``--full-layers`` compiles the real count instead, and the JSON says which). Also per program, the ten
 kernels (grouped by their jax source op) moving the most bytes that the AR step at that batch does not have.
 
+``--target v5e | v6e | v5p``: each program is instead ONE decode round compiled alone (``aot_memory.round_program``)
+for one TPU chip with libtpu (no TPU attached), costed whole by its ``cost_analysis()`` (bytes accessed, FLOPs),
+with a whole-program roofline (max(bytes / bandwidth, FLOPs / peak): a lower bound) and ``xla`` attention; a
+program too large for the chip is listed as not compiled.
+
   python bench/round_bytes.py --configs qwen3_8b --out docs/benchmark_runs/round_bytes_<date>_<commit>.json
   python bench/round_bytes.py --configs qwen3_8b --batches 1 --budgets 128 --full-layers     # check the model
+  python bench/round_bytes.py --configs qwen3_8b --batches 1 64 --budgets 128 --target v6e  # in a jax[tpu] venv
 
-Needs ``pip install "jax[cuda12]==<jax's version>" absl-py`` (jax >= 0.12; docs/gpu.md).
+Needs ``pip install "jax[cuda12]==<jax's version>" absl-py`` (jax >= 0.12; docs/gpu.md), or for a TPU target
+``pip install "jax[tpu]==<jax's version>"`` in its own venv (one process at a time: libtpu holds a lock file).
 """
 from __future__ import annotations
 
@@ -279,7 +286,8 @@ def main(argv: list[str] | None = None) -> int:
       if "RESOURCE_EXHAUSTED" not in str(e):
         raise
       reason = str(e).split("\n")[0]
-      say(f"{name} x{batch} {budget or 'AR'}: not compiled, it does not fit one {args.target}: {reason}")
+      say(f"{name} x{batch} {'AR' if budget is None else f'best_nodes b{budget}'}: not compiled, it does not fit "
+          f"one {args.target}: {reason}")
       skipped.append({"config": name, "batch": batch, "budget": budget, "reason": reason})
     devices = {args.target: hlo_cost.TPU_DEVICES[args.target]} if tpu else hlo_cost.DEVICES
     out = {"machine": machine_info(), "commit": commit_of(__file__), "settings": vars(args),
