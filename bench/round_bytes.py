@@ -204,11 +204,11 @@ def rows_for(results: list[dict], taus: dict[str, float]) -> list[dict]:
   for r in results:
     base = ar.get((r["config"], r["batch"]))
     row = {"config": r["config"], "batch": r["batch"], "program": r["program"]}
+    model = r["time_model"][r["target"]]["time_ms"]           # the target's (TPU chip, or H200) modelled time
+    first = r["target"] if r["target"] in hlo_cost.TPU_DEVICES else "H200"
     if r["target"] in hlo_cost.TPU_DEVICES:
-      first = r["target"]
-      row.update({"GB accessed": r["bytes"] / 1e9, "GFLOP": r["flops"] / 1e9, f"{first} ms": r["time_model"][first]["time_ms"]})
+      row.update({"GB accessed": r["bytes"] / 1e9, "GFLOP": r["flops"] / 1e9, f"{first} ms": model})
     else:
-      first = "h200"
       row.update({"kernels": round(r["kernels"]), "GB read": r["bytes_read"] / 1e9,
                   "GB written": r["bytes_written"] / 1e9, "GFLOP": r["flops"] / 1e9,
                   "H200 ms": r["time_model"]["h200"]["time_ms"], "H100 ms": r["time_model"]["h100"]["time_ms"]})
@@ -217,7 +217,7 @@ def rows_for(results: list[dict], taus: dict[str, float]) -> list[dict]:
     # The published taus are budget 128's: other budgets get no projection (their tau is another).
     per_round = {"AR": 1.0} if r["budget"] is None else taus if r["budget"] == 128 else {}
     for k, tau in per_round.items():
-      row[f"{first} tok/s ({k})"] = tau * r["batch"] / (r["time_model"][first]["time_ms"] / 1e3)
+      row[f"{first} tok/s ({k})"] = tau * r["batch"] / (model / 1e3)
     rows.append(row)
   return rows
 
