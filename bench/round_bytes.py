@@ -279,6 +279,7 @@ def main(argv: list[str] | None = None) -> int:
       if batch not in args.batches:
         cases.append((name, batch, None))
   results, skipped = [], []
+  commit = commit_of(__file__)                 # the code that runs, even if a commit lands during the run
   for name, batch, budget in dict.fromkeys(cases):          # the JSON rewritten after each program
     try:
       results.append((tpu_case if tpu else case)(args, name, batch, budget, say))
@@ -290,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
           f"one {args.target}: {reason}")
       skipped.append({"config": name, "batch": batch, "budget": budget, "reason": reason})
     devices = {args.target: hlo_cost.TPU_DEVICES[args.target]} if tpu else hlo_cost.DEVICES
-    out = {"machine": machine_info(), "commit": commit_of(__file__), "settings": vars(args),
+    out = {"machine": machine_info(), "commit": commit, "settings": vars(args),
            "devices": {k: dataclasses.asdict(v) for k, v in devices.items()},
            "rows": rows_for(results, TAUS), "beyond_ar": beyond_ar(results), "programs": results,
            "not_compiled": skipped}
