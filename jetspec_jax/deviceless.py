@@ -73,13 +73,12 @@ def tpu_available() -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def tpu_devices(chip: str, topology: str | None = None) -> tuple:
-  """The chips of a TPU ``topology`` (default: one ``chip``, ``TPU_TOPOLOGIES``; e.g. "v6e:2x4"), no TPU
-  attached: for meshes, shardings and ``.compile()``."""
+def tpu_devices(chip: str) -> tuple:
+  """One TPU ``chip`` (``TPU_TOPOLOGIES``), no TPU attached: for meshes, shardings and ``.compile()``."""
   if not tpu_available():
     raise JetSpecError(f"compiling for a TPU needs libtpu: pip install \"jax[tpu]=={jax.__version__}\" in its own "
                        "venv (no TPU needed)")
-  if topology is None and chip not in TPU_TOPOLOGIES:
+  if chip not in TPU_TOPOLOGIES:
     raise JetSpecError(f"unknown TPU chip {chip!r}; choose from {', '.join(TPU_TOPOLOGIES)}")
   from jax.experimental import topologies
-  return tuple(topologies.get_topology_desc(topology_name=topology or TPU_TOPOLOGIES[chip], platform="tpu").devices)
+  return tuple(topologies.get_topology_desc(topology_name=TPU_TOPOLOGIES[chip], platform="tpu").devices)
