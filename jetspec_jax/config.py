@@ -75,8 +75,8 @@ class Qwen3Config:
     if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
       raise JetSpecError(f"num_experts_per_tok={self.num_experts_per_tok} must be in 1..num_experts="
                          f"{self.num_experts}")
-    if self.moe_dispatch not in ("auto", "loop", "gather"):
-      raise JetSpecError(f"moe_dispatch={self.moe_dispatch!r} must be auto, loop or gather")
+    if self.moe_dispatch not in ("auto", "loop", "gather", "kernel"):
+      raise JetSpecError(f"moe_dispatch={self.moe_dispatch!r} must be auto, loop, gather or kernel")
     if self.num_experts and self.moe_intermediate_size <= 0:
       raise JetSpecError("moe_intermediate_size must be positive for a MoE config")
 

@@ -10,7 +10,10 @@ bookkeeping (a copy, a sort, a collective). Per kernel, from the shapes in the t
   - FLOPs: 2 x output elements x contracted size of every dot (inside a fusion, or a cuBLAS call's
     ``dot_dimension_numbers``).
 A Pallas custom call is opaque: its operands count whole, so a kernel that reads a few pages of a large pool is
-over-counted (``opaque`` marks it). ``round_kernels`` expands the loops nested in a round (the loop body with the
+over-counted (``opaque`` marks it). The expert-tile kernels (``pallas_kernels.expert_tiles``, ``EXPERT_TILE_KERNELS``)
+are modelled instead: each of their ``grid_x`` tiles reads one expert's slab of each [E, ., .] weight stack, so a
+stack counts min(whole, grid_x x whole / E), and its FLOPs are the tiles' rows (padded) times the slab's (an upper bound: padding tiles skip their reads at run time, and
+tiles of one expert share reads through the L2 cache). ``round_kernels`` expands the loops nested in a round (the loop body with the
 most kernels of its own, as ``bench.loop_report`` picks it) by their known trip counts.
 
 ``roofline``: a model, not a measurement. Each kernel takes max(bytes / bandwidth, FLOPs / peak) and every launch
@@ -37,6 +40,8 @@ _BOOKKEEPING = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast"
 _TRANSPARENT = {"bitcast", "reshape", "copy", "transpose", "convert"}    # a slice behind these still reads a slice
 _SLICING = {"dynamic-slice", "slice", "gather"}
 _IN_PLACE = {"dynamic-update-slice": 1, "scatter": 2}                       # op -> operand index of the update
+# Pallas kernel name -> operand indices of the expert weight stacks it reads one expert's slab of per tile
+EXPERT_TILE_KERNELS = {"expert_tiles_gate_up": (3, 4), "expert_tiles_down": (3,)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -251,8 +256,16 @@ def _kernel_costs(ins: Instr, comps: dict[str, list[Instr]], shapes: dict[str, s
       out = out[:-1]                                              # cuBLAS / cuDNN workspace
     gemm = "cublas" in target or "gemm" in target
     flops = _gemm_flops(ins, shapes) if gemm else 0.0
+    tiles = next((EXPERT_TILE_KERNELS[n] for n in EXPERT_TILE_KERNELS if f"/{n}/" in source), None)
+    grid = re.search(r"\bgrid_x = (\d+)", ins.attrs)
+    if tiles is not None and grid:
+      rows = math.prod(_dims(ins.shape)[:-1])                     # tiles x rows per tile (padded)
+      for i in tiles:
+        experts, contracted, cols = _dims(shapes.get(ins.operands[i], ""))
+        operand_bytes[i] = min(operand_bytes[i], int(grid.group(1)) * operand_bytes[i] / experts)
+        flops += 2.0 * rows * contracted * cols
     return Kernel(ins.name, f"custom-call:{target}", source, sum(operand_bytes), sum(out), flops, count,
-                  opaque=not gemm)
+                  opaque=not gemm and not (tiles is not None and grid))
   if ins.op in _SLICING:
     return Kernel(ins.name, ins.op, source, array_bytes(ins.shape), array_bytes(ins.shape), 0.0, count)
   if ins.op in _IN_PLACE:

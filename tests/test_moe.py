@@ -18,6 +18,7 @@ from greedy import assert_agree
 from jetspec_jax import sharding
 from jetspec_jax.bench import hlo_dot_flops, largest_array, loop_report
 from jetspec_jax.config import Qwen3Config
+from jetspec_jax.errors import JetSpecError
 from jetspec_jax.decode import reference
 from jetspec_jax.decode.engine import generate
 from jetspec_jax.decode.speculative import TreeConfig
@@ -65,11 +66,12 @@ def skewed_routing(m, num_experts, k, seed=0):
 @pytest.mark.parametrize("m,routing", [(1, random_routing), (3, random_routing), (40, random_routing),
                                        (300, random_routing), (200, skewed_routing)])
 def test_dispatch_equals_per_expert_loop(m, routing, dispatch):
-  e, h, i, k = 16, 32, 8, 3
+  e, h, i, k = 16, 32, 16, 3
   gate, up, down = random_experts(e, h, i)
   x = np.random.default_rng(m).normal(size=(m, h)).astype(np.float32)
   top_w, top_i = routing(m, e, k)
-  out = jax.jit(moe.grouped_swiglu, static_argnames="dispatch")(x, top_w, top_i, gate, up, down, dispatch=dispatch)
+  out = jax.jit(moe.grouped_swiglu, static_argnames=("dispatch", "interpret"))(
+      x, top_w, top_i, gate, up, down, dispatch=dispatch, interpret=True)
   np.testing.assert_allclose(out, per_expert_reference(x, top_w, top_i, gate, up, down), rtol=1e-5, atol=1e-5)
 
 
@@ -77,23 +79,24 @@ def test_dispatch_equals_per_expert_loop(m, routing, dispatch):
 @pytest.mark.parametrize("shards", [2, 4])
 def test_expert_shards_sum_to_the_whole(shards, dispatch):
   """Expert parallelism's local step: each shard's local experts' share, summed, is the whole layer."""
-  e, h, i, k, m = 16, 32, 8, 4, 50
+  e, h, i, k, m = 16, 32, 16, 4, 50
   gate, up, down = random_experts(e, h, i, seed=1)
   x = np.random.default_rng(1).normal(size=(m, h)).astype(np.float32)
   top_w, top_i = random_routing(m, e, k, seed=1)
   el = e // shards
-  fn = jax.jit(moe.grouped_swiglu, static_argnames=("num_experts", "dispatch"))
+  fn = jax.jit(moe.grouped_swiglu, static_argnames=("num_experts", "dispatch", "interpret"))
   parts = [fn(x, top_w, top_i, gate[s * el:(s + 1) * el], up[s * el:(s + 1) * el], down[s * el:(s + 1) * el],
-              first_expert=s * el, num_experts=e, dispatch=dispatch) for s in range(shards)]
+              first_expert=s * el, num_experts=e, dispatch=dispatch, interpret=True) for s in range(shards)]
   np.testing.assert_allclose(sum(parts), per_expert_reference(x, top_w, top_i, gate, up, down), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("dispatch,tokens", [("loop", 100), ("gather", 100), ("gather", 3)])
+@pytest.mark.parametrize("dispatch,tokens", [("loop", 100), ("gather", 100), ("gather", 3), ("kernel", 100),
+                                             ("kernel", 3)])
 @pytest.mark.parametrize("norm", [True, False])
 def test_block_matches_transformers(norm, dispatch, tokens):
   """One sparse block with 32 experts and 2 x 100 tokens (tiles of several rows, skipped tiles), or 2 x 3
-  (one row per tile: the gather dispatch's pair tiles), against transformers' Qwen3MoeSparseMoeBlock,
-  float32."""
+  (one row per tile: the tiled dispatches' pair tiles), against transformers' Qwen3MoeSparseMoeBlock,
+  float32 (``kernel``: its Pallas kernels in interpret mode)."""
   hf_cfg = hf_fixtures.hf_config("moe_norm", num_experts=32, num_experts_per_tok=4, norm_topk_prob=norm)
   block = transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock(hf_cfg).eval()
   gen = torch.Generator().manual_seed(0)
@@ -202,6 +205,18 @@ def test_auto_dispatch_follows_the_platform():
   cfg = layer_config(32, 16, 8, 2)
   assert moe.dispatch_for(cfg) == "loop" and moe.dispatch_for(cfg, sharding.make_mesh(1, 1, jax.devices()[:1])) == "loop"
   assert moe.dispatch_for(dataclasses.replace(cfg, moe_dispatch="gather")) == "gather"
+  assert moe.dispatch_for(dataclasses.replace(cfg, moe_dispatch="kernel")) == "kernel"
+
+
+def test_kernel_dispatch_refuses_untileable_sizes_in_one_sentence():
+  """The expert-tile kernels need a power-of-two divisor >= 16 of the intermediate size: 8 is refused, naming
+  the size and the dispatch that has no such need."""
+  cfg = dataclasses.replace(layer_config(32, 8, 8, 2), moe_dispatch="kernel")
+  specs = layer_specs(cfg)
+  params = {n: jnp.ones(s.shape, jnp.float32) for n, s in specs.items()}
+  with pytest.raises(JetSpecError, match=r"^moe_dispatch='kernel': the expert intermediate size \(8\) .*gather") as e:
+    layer_fn(cfg)(jnp.ones((1, 3, 32)), params)
+  assert "\n" not in str(e.value)
 
 
 def test_cost_check_catches_the_dense_expansion():
@@ -275,7 +290,7 @@ def sharded_params(specs, params, mesh):
 
 
 LAYOUTS = [(2, 4, False, "loop"), (4, 2, False, "loop"), (2, 4, True, "loop"), (4, 2, True, "loop"),
-           (2, 4, True, "gather")]
+           (2, 4, True, "gather"), (4, 2, True, "kernel")]
 
 
 @pytest.mark.usefixtures("eight_devices")

@@ -5,8 +5,9 @@ Every MoE forward (prefill, tree verification, AR decode, training's frozen targ
 with ``norm_topk_prob``. The N = M*k (token, expert) pairs are sorted by expert, each expert's group
 is padded up to a multiple of the row tile T, and the C = round_up(N + min(E, N) * (T - 1), T) rows
 of a static buffer (an upper bound on the padded rows: no token is ever dropped) form C/T tiles,
-each one [T, H] x [H, I] SwiGLU against its expert's weights. Two ways to run the tiles
-(``DISPATCHES``, ``Qwen3Config.moe_dispatch``; "auto": ``loop`` on CPU, ``gather`` elsewhere):
+each one [T, H] x [H, I] SwiGLU against its expert's weights. Three ways to run the tiles
+(``DISPATCHES``, ``Qwen3Config.moe_dispatch``; "auto": ``loop`` on CPU, ``kernel`` on a GPU, ``gather``
+elsewhere):
 
 * ``loop``: a ``fori_loop`` over the tiles, each reading its expert's weights in place; tiles past
   the used ones are skipped (``lax.cond``). No copy of any weight. On XLA:CPU the loop is free; on
@@ -17,6 +18,10 @@ each one [T, H] x [H, I] SwiGLU against its expert's weights. Two ways to run th
   (few tokens: decode) the pairs are the tiles and no grouping is done. Same FLOPs as ``loop`` without
   its skipping (the static bound below), plus a copy of C/T expert weights (read, write, read:
   about 3x the weight traffic of reading in place; memory: the [C/T, H, I] copies).
+* ``kernel``: ``gather``'s grouping and combine, the tiles run by the Pallas (Triton) kernels of
+  ``pallas_kernels.expert_tiles``, which read each tile's expert weights in place and skip the padding
+  tiles past the used ones: no control flow, no weight copy. On a CPU it runs in Pallas interpret mode
+  (tests).
 
 Cost bound (static shapes): FLOPs <= C * 6HI <= N * 6HI + min(E, N) * T * 6HI + T * 6HI, i.e. the
 routed work plus one tile per expert. The largest other temporaries are the [M, E] router
@@ -36,13 +41,17 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jetspec_jax.config import Qwen3Config
+from jetspec_jax.errors import JetSpecError
 from jetspec_jax.models.layers import swiglu
 from jetspec_jax.models.params import param
 from jetspec_jax.sharding import logical_to_spec
+from pallas_kernels import expert_tiles
+from pallas_kernels.errors import KernelError
 
 MAX_TILE = 128
 WEIGHTS = ("gate", "up", "down")
-DISPATCHES = ("loop", "gather")
+DISPATCHES = ("loop", "gather", "kernel")
+TILED = ("gather", "kernel")             # the dispatches that run every tile at once
 
 
 def expert_axes(cfg: Qwen3Config) -> dict[str, tuple[str, ...]]:
@@ -95,13 +104,14 @@ def route(tokens: jax.Array, router: jax.Array, top_k: int, norm_topk_prob: bool
 
 def grouped_swiglu(tokens: jax.Array, top_w: jax.Array, top_i: jax.Array, gate: jax.Array, up: jax.Array,
                    down: jax.Array, *, first_expert=0, num_experts: int | None = None,
-                   dispatch: str = "loop") -> jax.Array:
+                   dispatch: str = "loop", interpret: bool = False) -> jax.Array:
   """sum_j top_w[m, j] * swiglu_{top_i[m, j]}(tokens[m]) over the pairs whose expert is local.
 
   tokens [M, H]; top_w, top_i [M, k]; gate/up [El, H, I], down [El, I, H] hold experts
   first_expert .. first_expert + El - 1 of ``num_experts`` (default El; other pairs are skipped).
   The tile follows the average load M*k / num_experts; the capacity bounds the local pairs by
-  M * min(k, El). ``dispatch``: one of ``DISPATCHES`` (module docstring). Returns [M, H] in tokens'
+  M * min(k, El). ``dispatch``: one of ``DISPATCHES`` (module docstring); ``interpret``: run ``kernel``'s
+Pallas kernels in interpret mode (on a CPU). Returns [M, H] in tokens'
   dtype; each token's terms are added in ascending expert order, as transformers does.
   """
   m, h = tokens.shape
@@ -111,8 +121,8 @@ def grouped_swiglu(tokens: jax.Array, top_w: jax.Array, top_i: jax.Array, gate: 
   c = capacity(rows, num_local, t)
   local = top_i.reshape(-1) - first_expert
   local = jnp.where((local >= 0) & (local < num_local), local, num_local)          # [N]; El: not here
-  if dispatch == "gather" and t == 1 and num_local == (num_experts or num_local):
-    return _pair_tiles(tokens, top_w, local.reshape(m, k), gate, up, down)
+  if dispatch in TILED and t == 1 and num_local == (num_experts or num_local):
+    return _pair_tiles(tokens, top_w, local.reshape(m, k), gate, up, down, (dispatch, interpret))
   order = jnp.argsort(local, stable=True)
   counts = jnp.bincount(local, length=num_local + 1)[:num_local].astype(jnp.int32)  # [El]
   tiles = -(-counts // t)
@@ -126,9 +136,9 @@ def grouped_swiglu(tokens: jax.Array, top_w: jax.Array, top_i: jax.Array, gate: 
   valid = pos < counts[slot_expert]
   pair = order[jnp.where(valid, group_start[slot_expert] + pos, 0)]
   slot_token = jnp.where(valid, pair // k, m)                                           # m: padding row
-  if dispatch == "gather":
-    return _gathered_tiles(tokens, top_w, local, order, slot_token, tile_expert, tiles, tile_end, group_start,
-                           gate, up, down, t)
+  if dispatch in TILED:
+    return _all_tiles(tokens, top_w, local, order, slot_token, tile_expert, tiles, tile_end, group_start,
+                      gate, up, down, t, (dispatch, interpret))
   if dispatch != "loop":
     raise ValueError(f"unknown MoE dispatch {dispatch!r}; choose one of {DISPATCHES}")
   slot_weight = jnp.where(valid, top_w.reshape(-1)[pair], 0).astype(tokens.dtype)
@@ -147,15 +157,16 @@ def grouped_swiglu(tokens: jax.Array, top_w: jax.Array, top_i: jax.Array, gate: 
   return jax.lax.fori_loop(0, c // t, body, jnp.zeros((m, h), tokens.dtype))
 
 
-def _gathered_tiles(tokens, top_w, local, order, slot_token, tile_expert, tiles, tile_end, group_start,
-                    gate, up, down, t):
-  """The ``gather`` dispatch: every tile at once against gathered copies of its expert's weights, then
-  each pair's result read back from its slot. local [N] (El: not here), order [N] pairs by expert,
-  slot_token [C] (M: padding), tile_expert [C/T]; returns [M, H]."""
+def _all_tiles(tokens, top_w, local, order, slot_token, tile_expert, tiles, tile_end, group_start,
+               gate, up, down, t, run):
+  """The ``gather`` and ``kernel`` dispatches: every tile at once (tiles past the used ones: zeros or, with
+  ``gather``, the last expert's), then each pair's result read back from its slot. local [N] (El: not here),
+  order [N] pairs by expert, slot_token [C] (M: padding), tile_expert [C/T]; run: (dispatch, interpret);
+  returns [M, H]."""
   m, h = tokens.shape
   num_local, k = gate.shape[0], top_w.shape[1]
   x = tokens.at[slot_token].get(mode="fill", fill_value=0).reshape(-1, t, h)           # [C/T, T, H]
-  y = _tile_swiglu(x, gate, up, down, tile_expert).reshape(-1, h)                          # [C, H]
+  y = _tile_swiglu(x, gate, up, down, tile_expert, run, used=tile_end[-1]).reshape(-1, h)        # [C, H]
   rank = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
   e = jnp.minimum(local, num_local - 1)
   slot = (tile_end[e] - tiles[e]) * t + rank - group_start[e]                           # [N]
@@ -167,20 +178,28 @@ def _gathered_tiles(tokens, top_w, local, order, slot_token, tile_expert, tiles,
   return _weighted_sum(y.at[slot].get(mode="clip"), w)
 
 
-def _pair_tiles(tokens, top_w, experts, gate, up, down):
-  """The ``gather`` dispatch when every (token, expert) pair is its own tile (T = 1, all experts local:
-  few tokens, e.g. decode): no grouping, each pair against its gathered expert weights, each token's k
+def _pair_tiles(tokens, top_w, experts, gate, up, down, run):
+  """The ``gather`` / ``kernel`` dispatch when every (token, expert) pair is its own tile (T = 1, all experts
+  local: few tokens, e.g. decode): no grouping, each pair against its expert's weights, each token's k
   results summed in ascending expert order. tokens [M, H], top_w / experts [M, k] -> [M, H]."""
   m, h = tokens.shape
   by_expert = jnp.argsort(experts, axis=1)
   e = jnp.take_along_axis(experts, by_expert, axis=1).reshape(-1)                         # [M*k]
   w = jnp.take_along_axis(top_w, by_expert, axis=1).astype(tokens.dtype)                 # [M, k]
   x = jnp.repeat(tokens, experts.shape[1], axis=0)[:, None]                               # [M*k, 1, H]
-  return _weighted_sum(_tile_swiglu(x, gate, up, down, e).reshape(m, -1, h), w)
+  return _weighted_sum(_tile_swiglu(x, gate, up, down, e, run).reshape(m, -1, h), w)
 
 
-def _tile_swiglu(x, gate, up, down, experts):
-  """x [G, T, H], each tile g through the SwiGLU of expert experts[g] (weights gathered: [G, H, I])."""
+def _tile_swiglu(x, gate, up, down, experts, run, used=None):
+  """x [G, T, H], each tile g through the SwiGLU of expert experts[g]; run = (dispatch, interpret): ``kernel``,
+  the Pallas kernels reading the weights in place (tiles g >= used: zeros); ``gather``, XLA on gathered copies
+  [G, H, I] (every tile)."""
+  dispatch, interpret = run
+  if dispatch == "kernel":
+    try:
+      return expert_tiles.tile_swiglu(x, gate, up, down, experts, used, interpret=interpret)
+    except KernelError as e:
+      raise JetSpecError(f"moe_dispatch='kernel': {e}") from None
   a = jnp.einsum("gth,ghi->gti", x, gate[experts])
   b = jnp.einsum("gth,ghi->gti", x, up[experts])
   return jnp.einsum("gti,gih->gth", jax.nn.silu(a) * b, down[experts])
@@ -196,11 +215,16 @@ def _weighted_sum(y, w):
 
 def dispatch_for(cfg: Qwen3Config, mesh=None) -> str:
   """``cfg.moe_dispatch``, "auto" resolved by the platform of the mesh's devices (else jax's backend):
-  ``loop`` on CPU, ``gather`` on accelerators (where loops and conditionals cost host round-trips)."""
+  ``loop`` on CPU, ``kernel`` on a GPU, ``gather`` on other accelerators (where loops and conditionals cost
+  host round-trips)."""
   if cfg.moe_dispatch != "auto":
     return cfg.moe_dispatch
-  platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
-  return "loop" if platform == "cpu" else "gather"
+  return {"cpu": "loop", "gpu": "kernel", "cuda": "kernel"}.get(_platform(mesh), "gather")
+
+
+def _platform(mesh) -> str:
+  """The platform of the mesh's devices, else jax's default backend."""
+  return mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
 
 
 def moe_mlp(x: jax.Array, router: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, cfg: Qwen3Config,
@@ -211,6 +235,7 @@ def moe_mlp(x: jax.Array, router: jax.Array, gate: jax.Array, up: jax.Array, dow
   k = cfg.num_experts_per_tok
   sharded = mesh is not None and mesh.shape["model"] > 1
   dispatch = dispatch_for(cfg, mesh)
+  interpret = _platform(mesh) == "cpu"
 
   def local(x, router, gate, up, down):
     b, t, h = x.shape
@@ -218,12 +243,12 @@ def moe_mlp(x: jax.Array, router: jax.Array, gate: jax.Array, up: jax.Array, dow
     top_w, top_i = route(tokens, router, k, cfg.norm_topk_prob)
     first = jax.lax.axis_index("model") * gate.shape[0] if sharded and cfg.expert_parallel else 0
     out = grouped_swiglu(tokens, top_w, top_i, gate, up, down, first_expert=first, num_experts=cfg.num_experts,
-                         dispatch=dispatch)
+                         dispatch=dispatch, interpret=interpret)
     if sharded:
       out = jax.lax.psum(out, "model")
     return out.reshape(b, t, h)
 
-  if mesh is None or mesh.size == 1:
+  if mesh is None or (mesh.size == 1 and dispatch != "kernel"):     # a Pallas kernel lowers inside shard_map
     return local(x, *weights)
   x_spec = logical_to_spec(("batch", "seq", "embed"), x.shape, mesh)
   w_specs = [logical_to_spec(axes[n], w.shape, mesh) for n, w in zip(("router",) + WEIGHTS, weights)]
