@@ -407,8 +407,8 @@ def main(argv: list[str] | None = None) -> int:
   p.add_argument("--mix-tokenizer", default=os.path.expanduser("~/.cache/jetspec-jax/tokenizer"),
                  help="the paged rows: the tokenizer of the ShareGPT mix (default: the demo's)")
   p.add_argument("--mix-requests", type=int, default=1000, help="the paged rows: ShareGPT requests in the mix")
-  p.add_argument("--moe-dispatch", choices=("auto", "loop", "gather"), default="auto",
-                 help="MoE expert dispatch (models/moe.py; auto: loop on CPU, gather on GPU)")
+  p.add_argument("--moe-dispatch", choices=("auto", "loop", "gather", "kernel"), default="auto",
+                 help="MoE expert dispatch (models/moe.py; auto: loop on CPU, kernel on GPU, gather on TPU)")
   p.add_argument("--budget-gb", type=float, default=80.0)
   p.add_argument("--headroom-gb", type=float, default=10.0)
   p.add_argument("--out", help="JSON path (default bench/results/aot_memory.json)")

@@ -59,10 +59,10 @@ CONFIGS = ("qwen3_8b", "qwen3_30b_a3b", "tiny")            # tiny: a compile-in-
 TOTAL_KEYS = ("kernels", "bytes_read", "bytes_written", "flops", "opaque_kernels")
 
 
-def models(name: str, layers: int):
+def models(name: str, layers: int, moe_dispatch: str = "auto"):
   """(target config cut to ``layers`` layers, head config: its layers whole, its taps the last target layers)."""
   c = load_config(name)
-  target = dataclasses.replace(aot_memory.TARGETS[name], moe_dispatch="gather", num_hidden_layers=layers)
+  target = dataclasses.replace(aot_memory.TARGETS[name], moe_dispatch=moe_dispatch, num_hidden_layers=layers)
   taps = tap_count(name)
   if layers < taps:
     raise JetSpecError(f"{name}'s head reads {taps} target layers: compile at least {taps} layers")
@@ -75,11 +75,12 @@ def tap_count(name: str) -> int:
   return len(load_config(name).head.target_layer_ids) or 1
 
 
-def program_kernels(name: str, layers: int, batch: int, budget: int | None, context: int, attention: str):
+def program_kernels(name: str, layers: int, batch: int, budget: int | None, context: int, attention: str,
+                    moe_dispatch: str = "auto"):
   """(kernels of one decode round, loops without a trip count, compile seconds) of the AR round (``budget`` None)
   or the speculative round."""
   from jetspec_jax.decode import engine
-  target, head_cfg = models(name, layers)
+  target, head_cfg = models(name, layers, moe_dispatch)
   mesh = make_mesh(1, 1, deviceless.h200_devices(1))
   tree = None if budget is None else speculative.TreeConfig("best_nodes", budget, 7, head_cfg.depth)
   plan = aot_memory.round_plan(context, batch, tree)
@@ -90,10 +91,11 @@ def program_kernels(name: str, layers: int, batch: int, budget: int | None, cont
   return hlo_cost.kernels_of(comps, body), hlo_cost.unknown_trip_loops(comps, body), time.perf_counter() - t0
 
 
-def tpu_program_totals(name: str, layers: int, batch: int, budget: int | None, context: int, chip: str):
+def tpu_program_totals(name: str, layers: int, batch: int, budget: int | None, context: int, chip: str,
+                       moe_dispatch: str = "auto"):
   """(bytes accessed and FLOPs of ONE decode round compiled for one TPU ``chip``, from its ``cost_analysis()``;
   compile seconds): the round alone (``aot_memory.round_program``), since a TPU's cost covers a whole program."""
-  target, head_cfg = models(name, layers)
+  target, head_cfg = models(name, layers, moe_dispatch)
   mesh = make_mesh(1, 1, deviceless.tpu_devices(chip))
   tree = None if budget is None else speculative.TreeConfig("best_nodes", budget, 7, head_cfg.depth)
   plan = aot_memory.round_plan(context, batch, tree)
@@ -112,7 +114,8 @@ def tpu_case(args, name: str, batch: int, budget: int | None, say) -> dict:
   label = "AR" if budget is None else f"best_nodes b{budget}"
   counts = (full,) if args.full_layers else (a, b)
   say(f"{name} x{batch} {label} on {args.target}: compiling {' and '.join(map(str, counts))} layers")
-  got = [tpu_program_totals(name, n, batch, budget, args.context, args.target) for n in counts]
+  got = [tpu_program_totals(name, n, batch, budget, args.context, args.target, args.moe_dispatch)
+         for n in counts]
   totals = got[0][0] if args.full_layers else extrapolate(got[0][0], got[1][0], a, b, full)
   dev = hlo_cost.TPU_DEVICES[args.target]
   floors = {"bytes_floor_ms": 1e3 * totals["bytes"] / dev.bandwidth, "flops_floor_ms": 1e3 * totals["flops"] / dev.peak}
@@ -172,12 +175,12 @@ def case(args, name: str, batch: int, budget: int | None, say) -> dict:
   label = "AR" if budget is None else f"best_nodes b{budget}"
   if args.full_layers:
     say(f"{name} x{batch} {label}: compiling {full} layers")
-    ks, unknown, secs = program_kernels(name, full, batch, budget, args.context, args.attention)
+    ks, unknown, secs = program_kernels(name, full, batch, budget, args.context, args.attention, args.moe_dispatch)
     totals, by_source, how = hlo_cost.totals(ks), groups(ks), f"compiled at {full} layers"
   else:
     say(f"{name} x{batch} {label}: compiling {a} and {b} layers")
-    ks_a, unknown, s_a = program_kernels(name, a, batch, budget, args.context, args.attention)
-    ks_b, _, s_b = program_kernels(name, b, batch, budget, args.context, args.attention)
+    ks_a, unknown, s_a = program_kernels(name, a, batch, budget, args.context, args.attention, args.moe_dispatch)
+    ks_b, _, s_b = program_kernels(name, b, batch, budget, args.context, args.attention, args.moe_dispatch)
     totals = extrapolate(hlo_cost.totals(ks_a), hlo_cost.totals(ks_b), a, b, full)
     by_source, secs, how = scale_kernels(ks_a, ks_b, a, b, full), s_a + s_b, f"extrapolated from {a} and {b} layers"
     ks = ks_b
@@ -249,6 +252,8 @@ def main(argv: list[str] | None = None) -> int:
   p.add_argument("--target", default="h200", choices=["h200", *hlo_cost.TPU_DEVICES],
                  help="h200: compiled for one H200 (per kernel, with the H100 model beside it); v5e / v6e / v5p: "
                       "one round compiled for one TPU chip, its cost_analysis() (xla attention)")
+  p.add_argument("--moe-dispatch", choices=("auto", "gather", "kernel"), default="auto",
+                 help="the sparse layers' expert dispatch (models/moe.py; auto: kernel on the H200, gather on a TPU)")
   p.add_argument("--layers", type=int, nargs=2, default=None, metavar=("A", "B"),
                  help="compile at A and B target layers and extrapolate (default: the head's taps and one more; "
                       "fewer layers than taps would change the head)")

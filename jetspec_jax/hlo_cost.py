@@ -10,10 +10,11 @@ bookkeeping (a copy, a sort, a collective). Per kernel, from the shapes in the t
   - FLOPs: 2 x output elements x contracted size of every dot (inside a fusion, or a cuBLAS call's
     ``dot_dimension_numbers``).
 A Pallas custom call is opaque: its operands count whole, so a kernel that reads a few pages of a large pool is
-over-counted (``opaque`` marks it). The expert-tile kernels (``pallas_kernels.expert_tiles``, ``EXPERT_TILE_KERNELS``)
-are modelled instead: each of their ``grid_x`` tiles reads one expert's slab of each [E, ., .] weight stack, so a
-stack counts min(whole, grid_x x whole / E), and its FLOPs are the tiles' rows (padded) times the slab's (an upper bound: padding tiles skip their reads at run time, and
-tiles of one expert share reads through the L2 cache). ``round_kernels`` expands the loops nested in a round (the loop body with the
+over-counted (``opaque`` marks it). The expert-tile kernels (``pallas_kernels.expert_tiles``,
+``EXPERT_TILE_KERNELS``) are modelled instead: each of their ``grid_x`` tiles reads one expert's slab of each
+[E, ., .] weight stack, so a stack counts min(whole, grid_x x whole / E), and their FLOPs are the tiles' rows
+(padded) times the slab's (an upper bound: padding tiles skip their reads at run time, and tiles of one expert
+share reads through the L2 cache). ``round_kernels`` expands the loops nested in a round (the loop body with the
 most kernels of its own, as ``bench.loop_report`` picks it) by their known trip counts.
 
 ``roofline``: a model, not a measurement. Each kernel takes max(bytes / bandwidth, FLOPs / peak) and every launch

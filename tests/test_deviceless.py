@@ -76,6 +76,32 @@ def test_the_check_sees_the_tile_loop_dispatch():
 
 
 @needs_plugin
+def test_the_h200_expert_dispatch_reads_each_expert_in_place():
+  """On an H200 ``auto`` is the expert-tile kernel: the small MoE's AR engine round (8 slots) launches its two
+  Pallas kernels per sparse layer, costed by their tiles (not opaque), and leaves no loop; it moves fewer bytes
+  than the ``gather`` dispatch, whose [tiles, H, I] weight copies are written and read back."""
+  from jetspec_jax import hlo_cost
+  from jetspec_jax.decode import engine
+  mesh = aot_memory.make_mesh(1, 1, deviceless.h200_devices(1))
+
+  def ar_round(dispatch):
+    _, target = small_case(dispatch)
+    text = aot_memory.engine_program(target, None, aot_memory.round_plan(512, 8, None), mesh).as_text()
+    comps, body = hlo_cost.round_body(text, engine.ROUND_BODIES, 0)
+    return hlo_cost.kernels_of(comps, body), hlo_cost.unknown_trip_loops(comps, body)
+
+  (tiled, loops), (gathered, _) = ar_round("auto"), ar_round("gather")
+  layers = SMALL_MOE.num_hidden_layers
+  for name in hlo_cost.EXPERT_TILE_KERNELS:
+    calls = [k for k in tiled if f"/{name}/" in k.source]
+    assert len(calls) == layers and not any(k.opaque for k in calls), (name, calls)
+  assert not any(f"/{n}/" in k.source for k in gathered for n in hlo_cost.EXPERT_TILE_KERNELS)
+  assert loops == 0, loops
+  ours, theirs = hlo_cost.totals(tiled), hlo_cost.totals(gathered)
+  assert ours["bytes_read"] + ours["bytes_written"] < theirs["bytes_read"] + theirs["bytes_written"], (ours, theirs)
+
+
+@needs_plugin
 def test_sampling_over_a_split_vocabulary_for_h200_leaves_no_loop():
   """Logits [R, V] with V split over 8 H200s (the LM head's layout): the per-row sampling rule's cumulative sum
   compiles to a sequential loop over V / 8 elements unless the rows are gathered whole first
