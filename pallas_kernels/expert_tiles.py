@@ -12,13 +12,16 @@ dispatch computes):
 The ``gather`` dispatch copies every tile's expert weights into a [G, H, I] buffer (read, written, read again);
 these kernels read them once per tile straight from the [E, H, I] stacks (tiles of one expert are adjacent,
 so their repeated reads are the L2 cache's). Two launches:
-  1. grid (G, I / block_i): the tile's rows against a [H, block_i] slab of gate and of up, contracted over H
-     in steps of block_h, float32 accumulation; writes silu(a) * b in x.dtype, [G, T, I].
-  2. grid (G, H / block_o): that against a [I, block_o] slab of down, contracted over I in steps of block_i.
-A tile's T rows are loaded as rows >= 16 (Triton's smallest dot operand), the ones past T masked to zero; with
-T < 16 both launches write 16 rows per tile and the caller's result is their first T.
-Launch sizes are the largest powers of two up to 128 (64 for the contracted steps) dividing each dimension
-(``launch_shapes``); a dimension without a power-of-two divisor >= 16 is refused in one sentence.
+  1. grid (G, rows / block_r, I / block_out_i): block_r of the tile's rows against a [H, block_out_i] slab of
+     gate and of up, contracted over H in steps of block_h, float32 accumulation; writes silu(a) * b in
+     x.dtype, [G, rows, I].
+  2. grid (G, rows / block_r, H / block_out_h): that against a [I, block_out_h] slab of down, contracted over I
+     in steps of block_i.
+A tile's T rows are loaded as rows = max(T, 16) (Triton's smallest dot operand), the ones past T masked to zero;
+with T < 16 both launches write 16 rows per tile and the caller's result is their first T. Row blocks of at
+most 64 keep a program's float32 accumulators at 64 (launch 1: two of 64 x 64) or 128 (launch 2) columns.
+Launch sizes are the largest powers of two up to those caps dividing each dimension (``launch_shapes``); a
+dimension without a power-of-two divisor >= 16 is refused in one sentence.
 """
 from __future__ import annotations
 
@@ -47,9 +50,10 @@ def _block(dim: int, cap: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class LaunchShapes:
-  """rows: a tile's rows as loaded (T rounded up to >= 16); block_h / block_i: the steps contracting H and I;
-  block_out_i / block_out_h: the output columns of one program of launch 1 / 2."""
+  """rows: a tile's rows as loaded (T rounded up to >= 16), block_r of them per program; block_h / block_i: the
+  steps contracting H and I; block_out_i / block_out_h: the output columns of one program of launch 1 / 2."""
   rows: int
+  block_r: int
   block_h: int
   block_i: int
   block_out_i: int
@@ -67,8 +71,11 @@ def launch_shapes(tile_rows: int, hidden: int, inter: int) -> LaunchShapes:
     if _block(dim, 128) < MIN_DOT_DIM:
       raise KernelError(f"the {name} ({dim}) has no power-of-two divisor >= {MIN_DOT_DIM}, which the Triton "
                         f"expert-tile kernel needs; use the gather dispatch.")
-  return LaunchShapes(rows=max(tile_rows, MIN_DOT_DIM), block_h=_block(hidden, 64), block_i=_block(inter, 64),
-                      block_out_i=_block(inter, 128), block_out_h=_block(hidden, 128))
+  rows = max(tile_rows, MIN_DOT_DIM)
+  block_r = min(rows, 64)
+  return LaunchShapes(rows=rows, block_r=block_r, block_h=_block(hidden, 64), block_i=_block(inter, 64),
+                      block_out_i=_block(inter, 128 if block_r <= 32 else 64), block_out_h=_block(hidden, 128),
+                      num_warps=4 if block_r <= 32 else 8)
 
 
 def tile_swiglu_reference(x, gate, up, down, experts, used):
@@ -83,63 +90,64 @@ def _precision(dtype):
   return lax.Precision.HIGHEST if dtype == jnp.float32 else None
 
 
-def _load_rows(ref, g, rows, start, size):
-  """Tile g's first ``rows`` rows of ``ref`` [G, T, C] at columns start..start+size-1; rows past T are zeros."""
-  r = jnp.arange(rows)
+def _load_rows(ref, g, first, rows, start, size):
+  """Rows first..first+rows-1 of tile g of ``ref`` [G, T, C] at columns start..start+size-1; rows past T are
+  zeros."""
+  r = first + jnp.arange(rows)
   tile_rows = ref.shape[1]
   at = ref.at[g, jnp.minimum(r, tile_rows - 1)[:, None], (start + jnp.arange(size))[None, :]]
   return plgpu.load(at, mask=(r < tile_rows)[:, None], other=0)
 
 
 def _gate_up_kernel(used_ref, experts_ref, x_ref, gate_ref, up_ref, h_ref, *, shapes: LaunchShapes):
-  """Program (g, n): h[g, :, n-th block of I] = silu(x[g] @ gate[e][:, n]) * (x[g] @ up[e][:, n])."""
-  g, n = pl.program_id(0), pl.program_id(1)
+  """Program (g, r, n): h[g, r-th row block, n-th block of I] = silu(x @ gate[e][:, n]) * (x @ up[e][:, n])."""
+  g, r, n = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   hidden = x_ref.shape[2]
-  bh, bo = shapes.block_h, shapes.block_out_i
-  out_at = h_ref.at[g, pl.ds(0, shapes.rows), pl.ds(n * bo, bo)]
+  br, bh, bo = shapes.block_r, shapes.block_h, shapes.block_out_i
+  out_at = h_ref.at[g, pl.ds(r * br, br), pl.ds(n * bo, bo)]
 
   @pl.when(g < used_ref[0])
   def _():
     e = experts_ref[g]
 
     def step(j, acc):
-      x = _load_rows(x_ref, g, shapes.rows, j * bh, bh)
+      x = _load_rows(x_ref, g, r * br, br, j * bh, bh)
       wg = gate_ref[e, pl.ds(j * bh, bh), pl.ds(n * bo, bo)]
       wu = up_ref[e, pl.ds(j * bh, bh), pl.ds(n * bo, bo)]
       dot = functools.partial(jnp.dot, preferred_element_type=jnp.float32, precision=_precision(x.dtype))
       return acc[0] + dot(x, wg), acc[1] + dot(x, wu)
 
-    zero = jnp.zeros((shapes.rows, bo), jnp.float32)
+    zero = jnp.zeros((br, bo), jnp.float32)
     a, b = lax.fori_loop(0, hidden // bh, step, (zero, zero))
     plgpu.store(out_at, (a * jax.nn.sigmoid(a) * b).astype(h_ref.dtype))
 
   @pl.when(g >= used_ref[0])
   def _():
-    plgpu.store(out_at, jnp.zeros((shapes.rows, bo), h_ref.dtype))
+    plgpu.store(out_at, jnp.zeros((br, bo), h_ref.dtype))
 
 
 def _down_kernel(used_ref, experts_ref, h_ref, down_ref, y_ref, *, shapes: LaunchShapes):
-  """Program (g, n): y[g, :, n-th block of H] = h[g] @ down[e][:, n] (h and y: [G, rows, .])."""
-  g, n = pl.program_id(0), pl.program_id(1)
+  """Program (g, r, n): y[g, r-th row block, n-th block of H] = h @ down[e][:, n] (h and y: [G, rows, .])."""
+  g, r, n = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   inter = h_ref.shape[2]
-  bi, bo = shapes.block_i, shapes.block_out_h
-  out_at = y_ref.at[g, pl.ds(0, shapes.rows), pl.ds(n * bo, bo)]
+  br, bi, bo = shapes.block_r, shapes.block_i, shapes.block_out_h
+  out_at = y_ref.at[g, pl.ds(r * br, br), pl.ds(n * bo, bo)]
 
   @pl.when(g < used_ref[0])
   def _():
     e = experts_ref[g]
 
     def step(j, acc):
-      h = h_ref[g, pl.ds(0, shapes.rows), pl.ds(j * bi, bi)]
+      h = h_ref[g, pl.ds(r * br, br), pl.ds(j * bi, bi)]
       w = down_ref[e, pl.ds(j * bi, bi), pl.ds(n * bo, bo)]
       return acc + jnp.dot(h, w, preferred_element_type=jnp.float32, precision=_precision(h.dtype))
 
-    acc = lax.fori_loop(0, inter // bi, step, jnp.zeros((shapes.rows, bo), jnp.float32))
+    acc = lax.fori_loop(0, inter // bi, step, jnp.zeros((br, bo), jnp.float32))
     plgpu.store(out_at, acc.astype(y_ref.dtype))
 
   @pl.when(g >= used_ref[0])
   def _():
-    plgpu.store(out_at, jnp.zeros((shapes.rows, bo), y_ref.dtype))
+    plgpu.store(out_at, jnp.zeros((br, bo), y_ref.dtype))
 
 
 def check_problem(x, gate, up, down, experts) -> None:
@@ -173,7 +181,7 @@ def _launch(x, gate, up, down, experts, used, *, shapes: LaunchShapes, interpret
   whole = lambda a: pl.BlockSpec(a.shape, lambda *_: (0,) * a.ndim)
   act = pl.pallas_call(
       functools.partial(_gate_up_kernel, shapes=shapes),
-      grid=(g, inter // shapes.block_out_i),
+      grid=(g, rows // shapes.block_r, inter // shapes.block_out_i),
       in_specs=[whole(used), whole(experts), whole(x), whole(gate), whole(up)],
       out_specs=pl.BlockSpec((g, rows, inter), lambda *_: (0, 0, 0)),
       out_shape=jax.ShapeDtypeStruct((g, rows, inter), x.dtype),
@@ -181,7 +189,7 @@ def _launch(x, gate, up, down, experts, used, *, shapes: LaunchShapes, interpret
   )(used, experts, x, gate, up)
   y = pl.pallas_call(
       functools.partial(_down_kernel, shapes=shapes),
-      grid=(g, h // shapes.block_out_h),
+      grid=(g, rows // shapes.block_r, h // shapes.block_out_h),
       in_specs=[whole(used), whole(experts), whole(act), whole(down)],
       out_specs=pl.BlockSpec((g, rows, h), lambda *_: (0, 0, 0)),
       out_shape=jax.ShapeDtypeStruct((g, rows, h), x.dtype),

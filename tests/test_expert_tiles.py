@@ -24,8 +24,10 @@ def problem(g, t, h, i, e, dtype, seed=0):
 
 
 # (tiles, rows per tile, hidden, intermediate, experts): one-row pair tiles (decode), rows under and over
-# Triton's 16, an intermediate size that is no power of two (768 = 6 x 128, as Qwen3-30B-A3B's), steps of 16.
-CASES = [(6, 1, 64, 32, 4), (5, 4, 128, 96, 3), (3, 32, 64, 48, 2), (4, 16, 256, 768, 8), (2, 8, 48, 16, 2)]
+# Triton's 16, an intermediate size that is no power of two (768 = 6 x 128, as Qwen3-30B-A3B's), steps of 16,
+# tiles of 128 rows (two row blocks per tile).
+CASES = [(6, 1, 64, 32, 4), (5, 4, 128, 96, 3), (3, 32, 64, 48, 2), (4, 16, 256, 768, 8), (2, 8, 48, 16, 2),
+         (2, 128, 64, 32, 2)]
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -60,7 +62,7 @@ def test_launch_shapes_follow_triton_rules():
   """Every block a power of two, dot operands >= 16 rows and columns, blocks dividing their dimension."""
   for t, h, i in [(1, 2048, 768), (8, 4096, 1536), (128, 2048, 96), (4, 48, 16)]:
     s = et.launch_shapes(t, h, i)
-    assert s.rows == max(t, 16)
+    assert s.rows == max(t, 16) and s.block_r == min(s.rows, 64) and s.rows % s.block_r == 0
     for block, dim in ((s.block_h, h), (s.block_i, i), (s.block_out_i, i), (s.block_out_h, h)):
       assert block >= 16 and block & (block - 1) == 0 and dim % block == 0, (t, h, i, s)
 
