@@ -68,31 +68,33 @@ def _paged(k, v, prefixes, num_q: int, page_rows: int, groups: int, rng: np.rand
   return jnp.asarray(pools[0], k.dtype), jnp.asarray(pools[1], k.dtype), jnp.asarray(table)
 
 
-# (T, group, prefix per batch row, head_dim, dtype, kv heads): trees of 1, 16, 64 and 256 nodes, groups 1, 4 and 8,
-# head dims 64 and 128, both dtypes; prefixes of 0, mid-block and ending on a block boundary.
+# (T, group, prefix per batch row, head_dim, dtype, kv heads, block_k): trees of 1, 16, 64 and 256 nodes, groups 1, 4
+# and 8, head dims 64 and 128, both dtypes; prefixes of 0, ending mid-block and on a block boundary, over several
+# unmasked key blocks (None: the default block, here the whole cache).
 CASES = [
-    (1, 4, (0, 700), 128, jnp.float32, 2),
-    (16, 8, (300, 0), 64, jnp.float32, 1),
-    (64, 1, (37, 512), 128, jnp.float32, 2),
-    (256, 4, (1, 200), 64, jnp.float32, 1),
-    (1, 8, (511, 5), 64, jnp.bfloat16, 2),
-    (16, 4, (0, 1000), 128, jnp.bfloat16, 2),
-    (64, 8, (129, 3), 128, jnp.bfloat16, 1),
-    (256, 1, (700, 0), 128, jnp.bfloat16, 1),
+    (1, 4, (0, 700), 128, jnp.float32, 2, 128),
+    (16, 8, (300, 0), 64, jnp.float32, 1, 64),
+    (64, 1, (37, 512), 128, jnp.float32, 2, 128),
+    (256, 4, (1, 200), 64, jnp.float32, 1, 128),
+    (1, 8, (511, 5), 64, jnp.bfloat16, 2, 256),
+    (16, 4, (0, 1000), 128, jnp.bfloat16, 2, 256),
+    (64, 8, (129, 3), 128, jnp.bfloat16, 1, 128),
+    (256, 1, (700, 0), 128, jnp.bfloat16, 1, None),
 ]
 
 
 def _case_id(case) -> str:
-  num_q, group, prefixes, head_dim, dtype, num_kv = case
-  return f"T{num_q}-g{group}-p{'_'.join(map(str, prefixes))}-d{head_dim}-{jnp.dtype(dtype).name}-kv{num_kv}"
+  num_q, group, prefixes, head_dim, dtype, num_kv, block_k = case
+  return (f"T{num_q}-g{group}-p{'_'.join(map(str, prefixes))}-d{head_dim}-{jnp.dtype(dtype).name}-kv{num_kv}"
+          f"-k{block_k}")
 
 
 @pytest.mark.parametrize("case", CASES, ids=_case_id)
 def test_interpret_matches_xla(case):
-  num_q, group, prefixes, head_dim, dtype, num_kv = case
+  num_q, group, prefixes, head_dim, dtype, num_kv, block_k = case
   args = _problem(zlib.crc32(_case_id(case).encode()), num_q=num_q, group=group, prefixes=prefixes,
                   head_dim=head_dim, dtype=dtype, num_kv=num_kv)
-  out = tt.tree_attention(*args, interpret=True)
+  out = tt.tree_attention(*args, interpret=True, block_k=block_k)
   assert out.shape == args[0].shape and out.dtype == args[0].dtype
   assert _rel_err(out, xla_attention(*args)) <= TOLERANCE[dtype]
 
