@@ -19,16 +19,17 @@ Grid (batch, kv head, row block), every axis parallel (a v5p's two TensorCores s
 q block, its mask words and its float32 state (acc [block_r, Dh], running max m and sum l [block_r, 1], natural
 exp) in VMEM and walks the n = cdiv(prefix_len + T, block_k) key blocks of its row, keys at aligned cache
 positions j * block_k .. + block_k, double-buffered: block j + 1 is copied HBM -> VMEM by DMA while block j
-is computed. prefix_len (and the page table) are scalar-prefetched into SMEM. Blocks wholly inside the prefix
-run unmasked; the rest (the prefix's partial last block and the tree's blocks, at most cdiv(T, block_k) + 1)
-see position < prefix_len or the ancestor bit of position - prefix_len, and their value rows at positions
->= prefix_len + T are zeroed, so garbage (even NaN) past the tree never reaches the output.
+is computed. prefix_len is scalar-prefetched into SMEM. Blocks wholly inside the prefix run unmasked; the rest
+(the prefix's partial last block and the tree's blocks, at most cdiv(T, block_k) + 1) see position < prefix_len
+or the ancestor bit of position - prefix_len, and their value rows at positions >= prefix_len + T are zeroed,
+so garbage (even NaN) past the tree never reaches the output.
 
 Contiguous caches: block j is one DMA of rows min(j * block_k, S - block_k) .. + block_k (the last block of a
 cache whose length is not a multiple of block_k is shifted back in bounds; its rows before j * block_k are
 masked out). Paged caches (``paged_tree_attention``; layout in ``pallas_kernels.paging``): the pools flattened
-to [G x Pg, Hkv, R, Dh] and a flat table of global page ids; block j is block_k / R page DMAs, position p from
-row p % R of page table[b, p // R] (past the table: its last entry, masked).
+to [G x Pg, Hkv, R, Dh] and the table's global page ids, the program's row [1, T'] of them copied into SMEM as a
+block (once per batch row: the grid's programs of one row share it); block j is block_k / R page DMAs, position
+p from row p % R of page table[b, p // R] (past the table: its last entry, masked).
 
 TPU tiling (``launch_shapes`` refuses the rest in one sentence): a DMA moves whole (sublane, lane) tiles, so
 cache lengths, page rows, block_r and block_k are multiples of the dtype's row tile, ``ROW_TILE``
@@ -54,7 +55,7 @@ MASK_BITS = 32                      # ancestor-mask bits per int32 word
 MAX_BLOCK_R = 1024                  # rows per program at most
 SCORE_ELEMENTS = 256 * 1024         # block_r x block_k float32 scores per key block (1 MiB)
 BLOCK_K_RANGE = (256, 1024)         # the default block_k's bounds
-TABLE_BYTES = 512 * 1024            # SMEM for the prefetched page table (a chip has 1 MiB per core)
+TABLE_BYTES = 512 * 1024            # SMEM for a row's page table, double-buffered (a chip has 1 MiB per core)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,7 +83,8 @@ def launch_shapes(batch: int, num_q: int, num_q_heads: int, num_kv_heads: int, h
 
   ``block_r`` caps the rows per program (default ``MAX_BLOCK_R``; the rows are split into equal blocks);
   ``block_k`` sets the key block (default: the power of two <= ``SCORE_ELEMENTS`` / block_r, within ``BLOCK_K_RANGE``,
-  at most the cache, whole pages when paged). Both must be multiples of the dtype's ``ROW_TILE``.
+  at most the cache; paged: rounded down to whole pages). Both must be multiples of the dtype's ``ROW_TILE``. Two
+  rows of a paged cache's table (S / R int32 entries each) must fit ``TABLE_BYTES`` of SMEM.
   """
   dtype = jnp.dtype(dtype)
   if dtype not in ROW_TILE:
@@ -94,6 +96,9 @@ def launch_shapes(batch: int, num_q: int, num_q_heads: int, num_kv_heads: int, h
   tile = ROW_TILE[dtype]
   if page_rows is not None and page_rows % tile:
     raise KernelError(f"pages of {page_rows} rows break TPU tiling: {dtype} pages need a multiple of {tile} rows.")
+  if page_rows is not None and 2 * 4 * cache_len // page_rows > TABLE_BYTES:
+    raise KernelError(f"page table rows of {cache_len // page_rows} entries do not fit the "
+                      f"{TABLE_BYTES // 1024} KiB of SMEM the kernel gives two of them.")
   if page_rows is None and cache_len % tile:
     raise KernelError(f"a cache of {cache_len} positions breaks TPU tiling: {dtype} caches need a multiple of "
                       f"{tile} positions.")
@@ -105,7 +110,7 @@ def launch_shapes(batch: int, num_q: int, num_q_heads: int, num_kv_heads: int, h
   block_r = pl.cdiv(pl.cdiv(rows, row_blocks), tile) * tile
   if block_k is None:
     block_k = min(max(1 << (SCORE_ELEMENTS // block_r).bit_length() - 1, BLOCK_K_RANGE[0]), BLOCK_K_RANGE[1])
-    block_k = min(block_k, cache_len)
+    block_k = min(block_k, cache_len) if page_rows is None else max(block_k // page_rows, 1) * page_rows
   if page_rows is not None:
     if block_k % page_rows:
       raise KernelError(f"block_k={block_k} must be whole pages of {page_rows} rows.")
@@ -130,8 +135,8 @@ def pack_row_words(block_mask: jax.Array, group: int, rows: int, mask_words: int
 def _kernel(*refs, launch: TpuLaunch, num_q: int, cache_len: int, sm_scale: float, precision):
   """One (batch row, kv head, row block) program.
 
-  Refs: scalar prefetch prefix_ref [B] int32 (SMEM), and when paged table_ref [B x T'] int32 (global page ids,
-  row b's at b x T'); q_ref [block_r, Dh] and words_ref [block_r, W] (VMEM); k_hbm, v_hbm (HBM): the cache
+  Refs: scalar prefetch prefix_ref [B] int32 (SMEM); q_ref [block_r, Dh] and words_ref [block_r, W] (VMEM); when
+  paged table_ref [1, T'] int32 (SMEM: this batch row's global page ids); k_hbm, v_hbm (HBM): the cache
   [B, Hkv, S, Dh] or the pools [P, Hkv, R, Dh]; o_ref [block_r, Dh]; scratch k_buf, v_buf [2, block_k, Dh],
   sems (DMA, [2, 2]: k and v by slot), acc_ref [block_r, Dh] f32, m_ref and l_ref [block_r, 1] f32.
   """
@@ -139,7 +144,7 @@ def _kernel(*refs, launch: TpuLaunch, num_q: int, cache_len: int, sm_scale: floa
   if page_rows is None:
     prefix_ref, q_ref, words_ref, k_hbm, v_hbm, o_ref, k_buf, v_buf, sems, acc_ref, m_ref, l_ref = refs
   else:
-    prefix_ref, table_ref, q_ref, words_ref, k_hbm, v_hbm, o_ref, k_buf, v_buf, sems, acc_ref, m_ref, l_ref = refs
+    prefix_ref, q_ref, words_ref, table_ref, k_hbm, v_hbm, o_ref, k_buf, v_buf, sems, acc_ref, m_ref, l_ref = refs
     pages = cache_len // page_rows
   batch, head = pl.program_id(0), pl.program_id(1)
   prefix = jnp.minimum(prefix_ref[batch], cache_len - num_q)
@@ -162,7 +167,7 @@ def _kernel(*refs, launch: TpuLaunch, num_q: int, cache_len: int, sm_scale: floa
                                          sems.at[kv, slot]))
         continue
       for i in range(block_k // page_rows):
-        page = table_ref[batch * pages + jnp.minimum(j * (block_k // page_rows) + i, pages - 1)]
+        page = table_ref[0, jnp.minimum(j * (block_k // page_rows) + i, pages - 1)]
         out.append(pltpu.make_async_copy(hbm.at[page, head], buf.at[slot, pl.ds(i * page_rows, page_rows)],
                                          sems.at[kv, slot]))
     return out
@@ -254,9 +259,6 @@ def _attend(q, k, v, prefix_len, block_mask, dims, table, *, interpret, sm_scale
     raise KernelError(f"q, k_cache and v_cache must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}.")
   launch = launch_shapes(batch, num_q, num_q_heads, num_kv_heads, head_dim, q.dtype, cache_len,
                          page_rows=None if table is None else k.shape[2], block_r=block_r, block_k=block_k)
-  if table is not None and table.size * 4 > TABLE_BYTES:
-    raise KernelError(f"a page table of {table.shape[0]} x {table.shape[1]} entries does not fit the "
-                      f"{TABLE_BYTES // 1024} KiB of SMEM the kernel gives it.")
   if interpret is True:
     interpret = pltpu.InterpretParams()
   scale = head_dim ** -0.5 if sm_scale is None else sm_scale
@@ -275,7 +277,9 @@ def _launch(q, k, v, prefix_len, block_mask, table, *, launch: TpuLaunch, sm_sca
   folded = jnp.pad(folded.reshape(batch, num_kv_heads, rows, head_dim),
                    ((0, 0), (0, 0), (0, launch.rows - rows), (0, 0)))
   words = pack_row_words(block_mask, group, launch.rows, launch.mask_words)
-  scalars = (prefix_len.astype(jnp.int32),) + (() if table is None else (table.reshape(-1),))
+  tables = () if table is None else (table[:, None],)
+  table_specs = [] if table is None else [pl.BlockSpec((None, 1, table.shape[1]), lambda b, h, r, *_: (b, 0, 0),
+                                                       memory_space=pltpu.SMEM)]
   row_block = pl.BlockSpec((None, None, launch.block_r, head_dim), lambda b, h, r, *_: (b, h, r, 0))
   precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
   kernel = functools.partial(_kernel, launch=launch, num_q=num_q, cache_len=cache_len, sm_scale=sm_scale,
@@ -287,10 +291,11 @@ def _launch(q, k, v, prefix_len, block_mask, table, *, launch: TpuLaunch, sm_sca
   out = pl.pallas_call(
       kernel,
       grid_spec=pltpu.PrefetchScalarGridSpec(
-          num_scalar_prefetch=len(scalars),
+          num_scalar_prefetch=1,
           grid=launch.grid,
           in_specs=[row_block,
                     pl.BlockSpec((None, launch.block_r, launch.mask_words), lambda b, h, r, *_: (b, r, 0)),
+                    *table_specs,
                     pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)],
           out_specs=row_block,
           scratch_shapes=[pltpu.VMEM((2, launch.block_k, head_dim), q.dtype),
@@ -304,6 +309,6 @@ def _launch(q, k, v, prefix_len, block_mask, table, *, launch: TpuLaunch, sm_sca
       cost_estimate=cost,
       interpret=interpret,
       name="tree_attention_tpu",
-  )(*scalars, folded, words, k, v)
+  )(prefix_len.astype(jnp.int32), folded, words, *tables, k, v)
   out = out[:, :, :rows].reshape(batch, num_kv_heads, num_q, group, head_dim).transpose(0, 2, 1, 3, 4)
   return out.reshape(batch, num_q, num_q_heads, head_dim)
