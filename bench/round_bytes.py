@@ -21,12 +21,15 @@ kernels (grouped by their jax source op) moving the most bytes that the AR step 
 
 ``--target v5e | v6e | v5p``: each program is instead ONE decode round compiled alone (``aot_memory.round_program``)
 for one TPU chip with libtpu (no TPU attached), costed whole by its ``cost_analysis()`` (bytes accessed, FLOPs),
-with a whole-program roofline (max(bytes / bandwidth, FLOPs / peak): a lower bound) and ``xla`` attention; a
-program too large for the chip is listed as not compiled.
+with a whole-program roofline (max(bytes / bandwidth, FLOPs / peak): a lower bound), ``xla`` attention (it gathers
+each slot's pages per layer) or ``--attention tpu`` (the Mosaic TPU kernel, whose share of the cost is its declared
+estimate: every cache position of the table read once per row block); a program too large for the chip is listed
+as not compiled.
 
   python bench/round_bytes.py --configs qwen3_8b --out docs/benchmark_runs/round_bytes_<date>_<commit>.json
   python bench/round_bytes.py --configs qwen3_8b --batches 1 --budgets 128 --full-layers     # check the model
   python bench/round_bytes.py --configs qwen3_8b --batches 1 64 --budgets 128 --target v6e  # in a jax[tpu] venv
+  python bench/round_bytes.py --configs qwen3_8b --batches 1 64 --budgets 128 --target v6e --attention tpu
 
 Needs ``pip install "jax[cuda12]==<jax's version>" absl-py`` (jax >= 0.12; docs/gpu.md), or for a TPU target
 ``pip install "jax[tpu]==<jax's version>"`` in its own venv (one process at a time: libtpu holds a lock file).
@@ -92,7 +95,7 @@ def program_kernels(name: str, layers: int, batch: int, budget: int | None, cont
 
 
 def tpu_program_totals(name: str, layers: int, batch: int, budget: int | None, context: int, chip: str,
-                       moe_dispatch: str = "auto"):
+                       moe_dispatch: str = "auto", attention: str = "xla"):
   """(bytes accessed and FLOPs of ONE decode round compiled for one TPU ``chip``, from its ``cost_analysis()``;
   compile seconds): the round alone (``aot_memory.round_program``), since a TPU's cost covers a whole program."""
   target, head_cfg = models(name, layers, moe_dispatch)
@@ -100,7 +103,7 @@ def tpu_program_totals(name: str, layers: int, batch: int, budget: int | None, c
   tree = None if budget is None else speculative.TreeConfig("best_nodes", budget, 7, head_cfg.depth)
   plan = aot_memory.round_plan(context, batch, tree)
   t0 = time.perf_counter()
-  compiled = aot_memory.round_program(target, None if tree is None else head_cfg, plan, mesh, "greedy", "xla")
+  compiled = aot_memory.round_program(target, None if tree is None else head_cfg, plan, mesh, "greedy", attention)
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
   return {"bytes": float(cost["bytes accessed"]), "flops": float(cost["flops"])}, time.perf_counter() - t0
@@ -114,7 +117,8 @@ def tpu_case(args, name: str, batch: int, budget: int | None, say) -> dict:
   label = "AR" if budget is None else f"best_nodes b{budget}"
   counts = (full,) if args.full_layers else (a, b)
   say(f"{name} x{batch} {label} on {args.target}: compiling {' and '.join(map(str, counts))} layers")
-  got = [tpu_program_totals(name, n, batch, budget, args.context, args.target, args.moe_dispatch)
+  got = [tpu_program_totals(name, n, batch, budget, args.context, args.target, args.moe_dispatch,
+                            args.attention)
          for n in counts]
   totals = got[0][0] if args.full_layers else extrapolate(got[0][0], got[1][0], a, b, full)
   dev = hlo_cost.TPU_DEVICES[args.target]
@@ -248,10 +252,11 @@ def main(argv: list[str] | None = None) -> int:
   p.add_argument("--budgets", type=int, nargs="+", default=[16, 64, 128, 256], help="tree nodes per slot")
   p.add_argument("--wide", nargs="*", default=["64:4"], help="BATCH:NODES extra rounds (e.g. 64 slots of 4 nodes)")
   p.add_argument("--context", type=int, default=4096, help="committed positions per slot")
-  p.add_argument("--attention", default="xla", help="attention inside the round: xla | mosaic | pallas (GPU)")
+  p.add_argument("--attention", default="xla", help="attention inside the round: xla | mosaic | pallas (GPU) | "
+                                                    "tpu (the Mosaic TPU kernel, TPU targets)")
   p.add_argument("--target", default="h200", choices=["h200", *hlo_cost.TPU_DEVICES],
                  help="h200: compiled for one H200 (per kernel, with the H100 model beside it); v5e / v6e / v5p: "
-                      "one round compiled for one TPU chip, its cost_analysis() (xla attention)")
+                      "one round compiled for one TPU chip, its cost_analysis() (xla or tpu attention)")
   p.add_argument("--moe-dispatch", choices=("auto", "gather", "kernel"), default="auto",
                  help="the sparse layers' expert dispatch (models/moe.py; auto: kernel on the H200, gather on a TPU)")
   p.add_argument("--layers", type=int, nargs=2, default=None, metavar=("A", "B"),
@@ -263,8 +268,9 @@ def main(argv: list[str] | None = None) -> int:
   p.add_argument("--out", default=None, help="JSON path (default bench/results/round_bytes.json)")
   args = p.parse_args(argv)
   tpu = args.target in hlo_cost.TPU_DEVICES
-  if tpu and args.attention != "xla":
-    p.error(f"--attention {args.attention} is a GPU kernel; a TPU round is compiled with xla attention")
+  if (args.attention not in ("xla", "tpu")) if tpu else (args.attention == "tpu"):
+    p.error(f"--attention {args.attention} does not run on {args.target}: a TPU round takes xla or tpu, an H200 "
+            "round xla, pallas or mosaic")
   try:
     deviceless.tpu_devices(args.target) if tpu else deviceless.require()
   except JetSpecError as e:

@@ -16,7 +16,9 @@ sequence's own pages only, ``RAGGED_CHUNK_ROWS`` at a time in a loop whose trip 
 batch holds: CPU's choice; on contiguous caches ``xla``), ``pallas`` (the Pallas Triton
 kernel of ``pallas_kernels.tree_attention``; ``pallas_interpret`` runs it on CPU) and ``mosaic`` (the
 Pallas Mosaic GPU kernel for Hopper, ``pallas_kernels.tree_attention_mgpu``, 16-bit inputs only;
-``mosaic_interpret`` runs it in jax >= 0.12's Mosaic GPU interpreter). The choice travels as a
+``mosaic_interpret`` runs it in jax >= 0.12's Mosaic GPU interpreter) and ``tpu`` (the Pallas Mosaic TPU kernel,
+``pallas_kernels.tree_attention_tpu``, float32 / bfloat16; ``tpu_interpret`` runs it in Pallas's TPU interpreter).
+The choice travels as a
 static value: a name, or an ``AttentionImpl`` that also carries the Triton kernel's launch tuning table.
 
 Paged caches (``paged_attention``): k_pool / v_pool [G, Pg, Hkv, R, Dh] and a page table [B, T'] of page ids
@@ -40,7 +42,8 @@ from pallas_kernels.errors import KernelError
 from pallas_kernels.reference import cpu_upcast, masked_attention, visible_keys, xla_attention
 from pallas_kernels.tuning import KernelTuning, load_tuning
 
-IMPLEMENTATIONS = ("xla", "xla_chunked", "xla_ragged", "pallas", "pallas_interpret", "mosaic", "mosaic_interpret")
+IMPLEMENTATIONS = ("xla", "xla_chunked", "xla_ragged", "pallas", "pallas_interpret", "mosaic", "mosaic_interpret",
+                   "tpu", "tpu_interpret")
 CACHE_ROWS_MULTIPLE = 8   # KV cache lengths: the Mosaic GPU kernel's TMA boxes start at multiples of 8 rows
 
 
@@ -62,10 +65,11 @@ class AttentionImpl:
 
 
 def resolve_implementation(name: str | None, kernel_tuning: str | os.PathLike | None = None) -> AttentionImpl:
-  """'auto' / None -> ``pallas`` on GPU, ``xla_ragged`` on CPU, ``xla`` elsewhere; other names are checked. ``kernel_tuning``:
-  a tuning table file (JSON, see ``pallas_kernels.tuning``) for the kernel, read and checked here."""
+  """'auto' / None -> ``pallas`` on GPU, ``tpu`` on TPU, ``xla_ragged`` on CPU, ``xla`` elsewhere; other names are
+  checked. ``kernel_tuning``: a tuning table file (JSON, see ``pallas_kernels.tuning``) for the Triton kernel, read
+  and checked here."""
   if name in (None, "auto"):
-    name = {"gpu": "pallas", "cpu": "xla_ragged"}.get(jax.default_backend(), "xla")
+    name = {"gpu": "pallas", "tpu": "tpu", "cpu": "xla_ragged"}.get(jax.default_backend(), "xla")
   if name not in IMPLEMENTATIONS:
     raise JetSpecError(f"unknown attention implementation {name!r}; choose auto or one of {', '.join(IMPLEMENTATIONS)}")
   check_available(name)
@@ -77,12 +81,13 @@ def resolve_implementation(name: str | None, kernel_tuning: str | os.PathLike | 
 
 
 def check_available(impl: str) -> None:
-  """The compiled kernel (``pallas``) runs only on a GPU; say so instead of failing inside Pallas.
-  Checked where an implementation is resolved, not in ``attention``, which must still trace the
-  kernel on a CPU for a CUDA lowering (``lowering_platforms=("cuda",)``)."""
+  """The compiled kernels run only on their accelerator (``pallas``, ``mosaic``: a GPU; ``tpu``: a TPU); say so
+  instead of failing inside Pallas. Checked where an implementation is resolved, not in ``attention``, which must
+  still trace the kernel on a CPU for a deviceless lowering (``lowering_platforms=("cuda",)``, a TPU topology)."""
   backend = jax.default_backend()
-  if impl in ("pallas", "mosaic") and backend != "gpu":
-    raise JetSpecError(f"the {impl} attention kernel needs a GPU but jax's backend is {backend}; use "
+  needs = {"pallas": "gpu", "mosaic": "gpu", "tpu": "tpu"}.get(impl)
+  if needs and backend != needs:
+    raise JetSpecError(f"the {impl} attention kernel needs a {needs.upper()} but jax's backend is {backend}; use "
                        f"{impl}_interpret (the same kernel in interpret mode on {backend}, slow) or xla")
 
 
@@ -197,6 +202,9 @@ def _kernel(impl: str | AttentionImpl, paged: bool, sm_scale: float | None):
   elif impl in ("pallas", "pallas_interpret"):
     from pallas_kernels import tree_attention as kernel
     options = dict(interpret=impl == "pallas_interpret", tuning=tuning)
+  elif impl in ("tpu", "tpu_interpret"):
+    from pallas_kernels import tree_attention_tpu as kernel
+    options = dict(interpret=impl == "tpu_interpret")
   else:
     raise JetSpecError(f"unknown attention implementation {impl!r}; choose one of {', '.join(IMPLEMENTATIONS)}")
   entry = kernel.paged_tree_attention if paged else kernel.tree_attention

@@ -586,7 +586,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help=f"prompt rows per prefill lane and round (default: {default}; 0: the whole prompt)")
 
   def attention_flags(sp):
-    sp.add_argument("--attention", default="auto", help="auto (pallas on GPU, xla_ragged on CPU, else xla) | xla | xla_chunked | xla_ragged | pallas | pallas_interpret | mosaic | mosaic_interpret")
+    sp.add_argument("--attention", default="auto", help="auto (pallas on GPU, tpu on TPU, xla_ragged on CPU, else xla) | "
+                    "xla | xla_chunked | xla_ragged | pallas | pallas_interpret | mosaic | mosaic_interpret | tpu | "
+                    "tpu_interpret")
     sp.add_argument("--kernel-tuning", help="tuning table (JSON) for the pallas kernel, e.g. the kernel_tuning.json "
                                             "bench/gpu_check.py writes (default: the kernel's built-in table)")
 

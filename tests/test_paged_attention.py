@@ -91,6 +91,18 @@ def test_mosaic_kernel_reads_the_pages(case):
   check("mosaic_interpret", zlib.crc32(case_id(case).encode()), jnp.bfloat16, **_problem_kw(case))
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_tpu_kernel_reads_the_pages(case, dtype):
+  """``tpu_interpret``: the Mosaic TPU kernel in Pallas's TPU interpreter (bfloat16 pages: multiples of 16 rows,
+  the TPU's bfloat16 tile; pages of 8 rows are refused in one sentence)."""
+  if dtype == jnp.bfloat16 and case[0] % 16:
+    with pytest.raises(JetSpecError, match="break TPU tiling"):
+      check("tpu_interpret", 0, dtype, **_problem_kw(case))
+    return
+  check("tpu_interpret", zlib.crc32(case_id(case).encode()), dtype, **_problem_kw(case))
+
+
 @pytest.mark.parametrize("chunk_rows, block", [(8, 1), (16, 3), (128, 8)])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("case", CASES, ids=case_id)
@@ -140,13 +152,14 @@ def test_mosaic_pages_that_do_not_divide_the_key_block():
   assert tm.launch_shapes(1, 5, 4, 1, 128, cache_len=96, block_k=128, page_rows=24).copies == 16
 
 
-def test_under_a_mesh_the_kernel_runs_per_shard(eight_devices):
+@pytest.mark.parametrize("impl", ["pallas_interpret", "tpu_interpret"])
+def test_under_a_mesh_the_kernel_runs_per_shard(eight_devices, impl):
   """A 2 x 2 mesh: pools' groups and the batch over data, heads over model (shard_map)."""
   from jetspec_jax.sharding import make_mesh
   mesh = make_mesh(2, 2, jax.devices()[:4])
   args, _ = paged_problem(5, page_rows=8, prefixes=(20, 0, 9, 33), num_q=6, group=2, head_dim=64,
                           dtype=jnp.float32, groups=2, num_kv=2)
-  out = jax.jit(lambda *a: paged_attention(*a, impl="pallas_interpret", mesh=mesh))(*args)
+  out = jax.jit(lambda *a: paged_attention(*a, impl=impl, mesh=mesh))(*args)
   assert _rel_err(out, paged_attention(*args)) <= TOLERANCE[jnp.float32]
 
 
