@@ -212,8 +212,10 @@ def _kernel(impl: str | AttentionImpl, paged: bool, sm_scale: float | None):
 
 
 def _run_kernel(fn, mesh, specs, *args):
-  """``fn(*args)``, per shard under a ``mesh`` (shard_map with ``specs``); kernel errors as ``JetSpecError``."""
-  if mesh is not None and mesh.size > 1:
+  """``fn(*args)``, per shard under a ``mesh`` (shard_map with ``specs``); kernel errors as ``JetSpecError``. A mesh
+  of one device runs it in shard_map too when that device is not jax's backend's (a deviceless compile: the
+  kernel's lowering needs the device, e.g. a TPU's kind)."""
+  if mesh is not None and (mesh.size > 1 or mesh.devices.flat[0].platform != jax.default_backend()):
     fn = jax.shard_map(fn, mesh=mesh, in_specs=specs[0], out_specs=specs[1], check_vma=False)
   try:
     return fn(*args)
