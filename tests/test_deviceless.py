@@ -228,3 +228,28 @@ def test_round_bytes_for_a_tpu_chip_from_its_cost_analysis():
   weights = sum(2 * x.size for x in jax.tree.leaves(aot_memory.abstract_params(qwen3.param_specs(target), jnp.bfloat16,
                                                                                 mesh)))     # bf16
   assert at[2]["bytes"] > ar["bytes"] >= 0.5 * weights and at[2]["flops"] > ar["flops"] > 0, (at[2], ar, weights)
+
+
+@needs_libtpu
+def test_the_engine_round_for_a_tpu_chip_runs_the_tpu_kernel():
+  """The small MoE's budget-16 engine round (best_nodes, 2 slots of 512 positions) compiled for one v6e chip with
+  ``--attention tpu``: the target's and the head's layers call the Mosaic TPU kernel, the round keeps no while
+  loop or conditional, and it accesses fewer bytes than with ``xla`` attention (which gathers each slot's pages)."""
+  from jetspec_jax.decode import speculative
+  from jetspec_jax.train import trainer
+  c, target = small_case()
+  mesh = aot_memory.make_mesh(1, 1, deviceless.tpu_devices("v6e"))
+  head_cfg = trainer.build_head_config(c, target, None)
+  plan = aot_memory.round_plan(512, 2, speculative.TreeConfig("best_nodes", 16, 7, head_cfg.depth))
+
+  def compiled(attention):
+    program = aot_memory.round_program(target, head_cfg, plan, mesh, "greedy", attention)
+    cost = program.cost_analysis()
+    return program.as_text(), (cost[0] if isinstance(cost, (list, tuple)) else cost)["bytes accessed"]
+
+  (text, kernel_bytes), (_, xla_bytes) = compiled("tpu"), compiled("xla")
+  calls = text.count('custom_call_target="tpu_custom_call"')
+  assert calls >= target.num_hidden_layers + head_cfg.num_hidden_layers, calls
+  report = loop_report(text)
+  assert report["while_loops"] == 0 and report["conditionals"] == 0, report
+  assert kernel_bytes < xla_bytes, (kernel_bytes, xla_bytes)
