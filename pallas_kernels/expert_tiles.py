@@ -99,15 +99,24 @@ def _load_rows(ref, g, first, rows, start, size):
   return plgpu.load(at, mask=(r < tile_rows)[:, None], other=0)
 
 
+def _store_tile(used_ref, g, out_at, shape, dtype, compute) -> None:
+  """Tile g's block: ``compute()`` (float32 ``shape``) cast to ``dtype`` at ``out_at`` for a used tile, zeros for
+  a padding tile (g >= used), which reads nothing."""
+  @pl.when(g < used_ref[0])
+  def _():
+    plgpu.store(out_at, compute().astype(dtype))
+
+  @pl.when(g >= used_ref[0])
+  def _():
+    plgpu.store(out_at, jnp.zeros(shape, dtype))
+
+
 def _gate_up_kernel(used_ref, experts_ref, x_ref, gate_ref, up_ref, h_ref, *, shapes: LaunchShapes):
   """Program (g, r, n): h[g, r-th row block, n-th block of I] = silu(x @ gate[e][:, n]) * (x @ up[e][:, n])."""
   g, r, n = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-  hidden = x_ref.shape[2]
   br, bh, bo = shapes.block_r, shapes.block_h, shapes.block_out_i
-  out_at = h_ref.at[g, pl.ds(r * br, br), pl.ds(n * bo, bo)]
 
-  @pl.when(g < used_ref[0])
-  def _():
+  def compute():
     e = experts_ref[g]
 
     def step(j, acc):
@@ -118,23 +127,18 @@ def _gate_up_kernel(used_ref, experts_ref, x_ref, gate_ref, up_ref, h_ref, *, sh
       return acc[0] + dot(x, wg), acc[1] + dot(x, wu)
 
     zero = jnp.zeros((br, bo), jnp.float32)
-    a, b = lax.fori_loop(0, hidden // bh, step, (zero, zero))
-    plgpu.store(out_at, (a * jax.nn.sigmoid(a) * b).astype(h_ref.dtype))
+    a, b = lax.fori_loop(0, x_ref.shape[2] // bh, step, (zero, zero))
+    return a * jax.nn.sigmoid(a) * b
 
-  @pl.when(g >= used_ref[0])
-  def _():
-    plgpu.store(out_at, jnp.zeros((br, bo), h_ref.dtype))
+  _store_tile(used_ref, g, h_ref.at[g, pl.ds(r * br, br), pl.ds(n * bo, bo)], (br, bo), h_ref.dtype, compute)
 
 
 def _down_kernel(used_ref, experts_ref, h_ref, down_ref, y_ref, *, shapes: LaunchShapes):
   """Program (g, r, n): y[g, r-th row block, n-th block of H] = h @ down[e][:, n] (h and y: [G, rows, .])."""
   g, r, n = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-  inter = h_ref.shape[2]
   br, bi, bo = shapes.block_r, shapes.block_i, shapes.block_out_h
-  out_at = y_ref.at[g, pl.ds(r * br, br), pl.ds(n * bo, bo)]
 
-  @pl.when(g < used_ref[0])
-  def _():
+  def compute():
     e = experts_ref[g]
 
     def step(j, acc):
@@ -142,12 +146,9 @@ def _down_kernel(used_ref, experts_ref, h_ref, down_ref, y_ref, *, shapes: Launc
       w = down_ref[e, pl.ds(j * bi, bi), pl.ds(n * bo, bo)]
       return acc + jnp.dot(h, w, preferred_element_type=jnp.float32, precision=_precision(h.dtype))
 
-    acc = lax.fori_loop(0, inter // bi, step, jnp.zeros((br, bo), jnp.float32))
-    plgpu.store(out_at, acc.astype(y_ref.dtype))
+    return lax.fori_loop(0, h_ref.shape[2] // bi, step, jnp.zeros((br, bo), jnp.float32))
 
-  @pl.when(g >= used_ref[0])
-  def _():
-    plgpu.store(out_at, jnp.zeros((br, bo), y_ref.dtype))
+  _store_tile(used_ref, g, y_ref.at[g, pl.ds(r * br, br), pl.ds(n * bo, bo)], (br, bo), y_ref.dtype, compute)
 
 
 def check_problem(x, gate, up, down, experts) -> None:

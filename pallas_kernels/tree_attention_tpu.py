@@ -1,12 +1,8 @@
 """Tree-masked attention over a KV cache: a Pallas Mosaic TPU kernel.
 
-Same contract as ``pallas_kernels.reference.xla_attention`` and the Triton kernel ``pallas_kernels.tree_attention``:
-  q          [B, T, Hq, Dh]   T new rows (tree nodes, one decode token, or a prompt chunk)
-  k_cache    [B, Hkv, S, Dh]  the new rows' own keys/values already written at cache
-  v_cache    [B, Hkv, S, Dh]  positions prefix_len[b] + t, t < T (so prefix_len[b] + T <= S)
-  prefix_len [B] int32        committed keys 0..prefix_len[b]-1 are visible to every query
-  block_mask [B, T, T] bool   query i may see new key t; the diagonal is True
-  returns    [B, T, Hq, Dh]   in q.dtype; scores, softmax and accumulation in float32.
+Same contract as ``pallas_kernels.reference.xla_attention`` and the Triton kernel ``pallas_kernels.tree_attention``
+(q [B, T, Hq, Dh] over k_cache / v_cache [B, Hkv, S, Dh] with the T new rows' keys at prefix_len[b] + t,
+prefix_len [B], block_mask [B, T, T] -> [B, T, Hq, Dh] in q.dtype; scores, softmax and accumulation in float32).
 float32 and bfloat16 inputs, head dims 64 and 128.
 
 Rows. XLA folds the GQA group and the T query rows together before the kernel, q as [B, Hkv, rows, Dh] with
