@@ -111,8 +111,8 @@ def grouped_swiglu(tokens: jax.Array, top_w: jax.Array, top_i: jax.Array, gate: 
   first_expert .. first_expert + El - 1 of ``num_experts`` (default El; other pairs are skipped).
   The tile follows the average load M*k / num_experts; the capacity bounds the local pairs by
   M * min(k, El). ``dispatch``: one of ``DISPATCHES`` (module docstring); ``interpret``: run ``kernel``'s
-Pallas kernels in interpret mode (on a CPU). Returns [M, H] in tokens'
-  dtype; each token's terms are added in ascending expert order, as transformers does.
+  Pallas kernels in interpret mode (on a CPU). Returns [M, H] in tokens' dtype; each token's terms are added
+  in ascending expert order, as transformers does.
   """
   m, h = tokens.shape
   num_local, k = gate.shape[0], top_i.shape[1]
