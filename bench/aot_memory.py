@@ -25,15 +25,24 @@ device's ``--usable-gib`` holds paged and contiguous. Reported per device, from 
 ``--target cpu`` (default) compiles for 8 fake CPU devices: XLA:CPU fuses and schedules differently
 from XLA:GPU (and upcasts some bf16 dots to float32), so the temporaries are an estimate.
 ``--target h200`` compiles the same programs for eight H200s with no GPU attached (jax's CUDA plugin,
-``jetspec_jax.deviceless``): XLA:GPU's own memory, kernels and control flow; ``--gpu-programs``
-adds the AR round and the budget-16 / budget-128 rounds at batch 1 and 64 (the round table of
+``jetspec_jax.deviceless``): XLA:GPU's own memory, kernels and control flow; ``--round-programs`` (alias
+``--gpu-programs``) adds the AR round and the budget-16 / budget-128 rounds at batch 1 and 64 (the round table of
 docs/gpu.md). Needs ``pip install "jax[cuda12]==<jax's version>" absl-py`` (about 5.5 GB).
+``--target v5e-8 | v6e-8 | v5p-8`` compiles them for a TPU slice (8, 8 and 4 chips) with libtpu, no TPU attached
+(``scripts/setup_tpu.sh``'s venv): per-chip memory against the chip's HBM (16, 32, 95 GB; headroom 1/8 of it), and
+from XLA:TPU's ``cost_analysis()`` per chip ``gb_accessed`` and ``chip_tflop``, ``model_ms`` = max(bytes / HBM
+bandwidth, FLOPs / bf16 peak) (a model, ``hlo_cost.TPU_DEVICES``), ``vs_ar``: a round's bytes against the AR
+round's at its batch. Each engine row is then ONE round compiled alone (``round_program``: decode rows without
+prefill lanes, the regen row with them), the attention ``tpu`` (the Mosaic TPU kernel) unless ``--attention``
+says otherwise, and the MoE dispatch ``gather`` (``auto`` on a TPU).
 
   XLA_FLAGS=--xla_force_host_platform_device_count=8 python bench/aot_memory.py          # every config
   XLA_FLAGS=--xla_force_host_platform_device_count=8 python bench/aot_memory.py --configs tiny --no-decode
   python bench/aot_memory.py --target h200 --configs qwen3_8b,qwen3_30b_a3b --gpu-programs --no-regen
   python bench/aot_memory.py --target h200 --configs qwen3_8b --no-train --no-decode --no-regen --paged-slots 64 \
       --kv-memory 108
+  .venv-tpu/bin/python bench/aot_memory.py --target v5p-8 --configs qwen3_8b,qwen3_30b_a3b --no-decode   # train
+  .venv-tpu/bin/python bench/aot_memory.py --target v6e-8 --configs qwen3_8b --no-train --round-programs
 """
 from __future__ import annotations
 
@@ -53,7 +62,7 @@ import ml_collections  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
-from jetspec_jax import deviceless  # noqa: E402
+from jetspec_jax import deviceless, hlo_cost  # noqa: E402
 from jetspec_jax.cli import _kv_flags, _kv_pages  # noqa: E402
 from jetspec_jax.bench import format_table, hlo_dot_flops, loop_report, machine_info, save_results  # noqa: E402
 from jetspec_jax.config import Qwen3Config, parse_dtype  # noqa: E402
@@ -67,6 +76,7 @@ from jetspec_jax.train.config_file import load_config  # noqa: E402
 NAME = "aot_memory"
 CONFIGS = ("tiny", "qwen3_0p6b", "qwen3_8b", "qwen3_30b_a3b")
 DECODE_CONFIGS = ("qwen3_8b", "qwen3_30b_a3b")
+TPU_SLICES = tuple(n for n in deviceless.TPU_TOPOLOGIES if "-" in n)
 REGEN_CONFIGS = ("qwen3_8b",)
 # The targets' shapes (Hugging Face config.json of Qwen/Qwen3-0.6B, -8B, -30B-A3B); tiny: a CPU-sized one.
 TARGETS = {
@@ -84,6 +94,10 @@ TARGETS = {
 GB = 1e9
 COLUMNS = ("config", "program", "mesh", "args_gb", "out_gb", "alias_gb", "temp_gb", "peak_gb", "hlo_tflop",
            "hlo_vs_analytic", "kernels", "while_loops", "conditionals", "compile_s", "fits")
+# A TPU target's columns: its compiler's cost_analysis() per chip (bytes accessed, FLOPs), the roofline time those
+# give on the chip, and a round's bytes against the AR step's at the same batch.
+TPU_COLUMNS = ("config", "program", "mesh", "args_gb", "temp_gb", "peak_gb", "gb_accessed", "chip_tflop", "model_ms",
+               "vs_ar", "while_loops", "conditionals", "compile_s", "fits")
 CONCURRENCY = ("usable_gb", "kv_gb", "kv_pages", "prompt_mean", "reply_mean", "contiguous_requests", "paged_requests",
                "paged_vs_contiguous")
 
@@ -120,10 +134,16 @@ def flops_row(compiled, analytic: float, devices: int, unknown_trips: int | None
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
   text = compiled.as_text()
   from jetspec_jax.decode.engine import ROUND_BODIES
-  hlo = hlo_dot_flops(text, unknown_trips, alternatives=ROUND_BODIES) * devices
+  try:
+    hlo = hlo_dot_flops(text, unknown_trips, alternatives=ROUND_BODIES) * devices
+  except ValueError:                  # XLA:TPU leaves its loops' trip counts unannotated: its cost_analysis stands
+    hlo = None
   report = loop_report(text, per_iteration=unknown_trips is not None)
-  return {"xla_tflop": float(cost.get("flops", 0.0)) * devices / 1e12 if cost else None, "hlo_tflop": hlo / 1e12,
-          "analytic_tflop": analytic / 1e12, "hlo_vs_analytic": hlo / analytic,
+  return {"xla_tflop": float(cost.get("flops", 0.0)) * devices / 1e12 if cost else None,
+          "gb_accessed": float(cost["bytes accessed"]) / GB if cost and "bytes accessed" in cost else None,
+          "chip_tflop": float(cost.get("flops", 0.0)) / 1e12 if cost else None,
+          "hlo_tflop": None if hlo is None else hlo / 1e12, "analytic_tflop": analytic / 1e12,
+          "hlo_vs_analytic": None if hlo is None else hlo / analytic,
           "kernels": report["kernels"], "while_loops": report["while_loops"], "conditionals": report["conditionals"],
           "control_flow": sorted(set(report["while_ops"] + report["conditional_ops"]))}
 
@@ -220,13 +240,24 @@ def engine_program(target: Qwen3Config, head_cfg, plan, mesh, sampling: str = "g
                                  program=program, window=engine.token_window(plan, 1 << 30)).compile()
 
 
-def round_program(target: Qwen3Config, head_cfg, plan, mesh, sampling: str = "greedy", attention: str = "xla"):
-  """ONE engine decode round (``engine.engine_round`` without prefill lanes) alone, compiled as ``engine_program``:
-  a program whose whole cost is the round's (a TPU's ``cost_analysis`` covers a whole program)."""
+def round_program(target: Qwen3Config, head_cfg, plan, mesh, sampling: str = "greedy", attention: str = "xla",
+                  prefill: bool = False):
+  """ONE engine round (``engine.engine_round``; ``prefill``: the body with prefill lanes) alone, compiled as
+  ``engine_program``: a program whose whole cost is the round's (a TPU's ``cost_analysis`` covers a whole program)."""
   from jetspec_jax.decode import engine
   program, target_params, head_params, state, _ = engine_inputs(target, head_cfg, plan, mesh, sampling, attention)
-  one = functools.partial(engine.engine_round, program=program, prefill=False)
+  one = functools.partial(engine.engine_round, program=program, prefill=prefill)
   return jax.jit(one, donate_argnums=2).lower(target_params, head_params, state).compile()
+
+
+def compile_engine(target: Qwen3Config, head_cfg, plan, mesh, sampling: str = "greedy", attention: str = "xla",
+                   prefill: bool = False):
+  """(compiled program, loop trips unknown): for a TPU mesh ONE round alone (``round_program``; ``prefill``: the body
+  with lanes), whose ``cost_analysis`` is the round's; elsewhere the engine's device loop (``engine_program``), whose
+  rows are per trip of its data-dependent loop."""
+  if mesh.devices.flat[0].platform == "tpu":
+    return round_program(target, head_cfg, plan, mesh, sampling, attention, prefill), None
+  return engine_program(target, head_cfg, plan, mesh, sampling, attention), 1
 
 
 def engine_inputs(target: Qwen3Config, head_cfg, plan, mesh, sampling: str = "greedy", attention: str = "xla"):
@@ -272,12 +303,12 @@ def decode_case(name: str, c: ml_collections.ConfigDict, target: Qwen3Config, co
   tree = speculative.TreeConfig(method, budget, 7, head_cfg.depth)
   plan = round_plan(committed, batch, tree, sampling)
   t0 = time.perf_counter()
-  compiled = engine_program(target, head_cfg, plan, mesh, sampling, attention)
+  compiled, trips = compile_engine(target, head_cfg, plan, mesh, sampling, attention)
   target_len, draft_len = plan.cache_lengths(head_cfg)
   analytic = batch * decode_flops(target, head_cfg, tree.num_nodes(), target_len, draft_len, tree.depth)
   label = ("" if method == "accum_logp" else f" {method}") + ("" if sampling == "greedy" else f" {sampling}")
   row = {"config": name, "program": f"decode b{budget}{label} x{batch} (per round)", "mesh": f"1x{mesh.size}",
-         **memory_row(compiled), **flops_row(compiled, analytic, mesh.size, unknown_trips=1),
+         **memory_row(compiled), **flops_row(compiled, analytic, mesh.size, unknown_trips=trips),
          "compile_s": time.perf_counter() - t0}
   return row, {"target_cache": target_len, "draft_cache": draft_len, "nodes": tree.num_nodes(), "rows": plan.rows,
                "sampling": sampling}
@@ -290,10 +321,10 @@ def ar_case(name: str, target: Qwen3Config, committed: int, batch: int, devices:
   mesh = make_mesh(1, len(devices), devices)
   plan = round_plan(committed, batch, None)
   t0 = time.perf_counter()
-  compiled = engine_program(target, None, plan, mesh, "greedy", attention)
+  compiled, trips = compile_engine(target, None, plan, mesh, "greedy", attention)
   target_len, _ = plan.cache_lengths(None)
   row = {"config": name, "program": f"AR round x{batch}", "mesh": f"1x{mesh.size}", **memory_row(compiled),
-         **flops_row(compiled, target_flops(target, batch, target_len), mesh.size, unknown_trips=1),
+         **flops_row(compiled, target_flops(target, batch, target_len), mesh.size, unknown_trips=trips),
          "compile_s": time.perf_counter() - t0}
   return row, {"cache_positions": target_len, "batch": batch}
 
@@ -359,7 +390,7 @@ def concurrency(paged: dict, info: dict, usable_gb: float, lengths: list[tuple[i
 
 
 def regen_case(name: str, c: ml_collections.ConfigDict, target: Qwen3Config, batch: int, prompt: int,
-               max_new: int, devices: tuple) -> tuple[list[dict], dict]:
+               max_new: int, devices: tuple, attention: str = "xla") -> tuple[list[dict], dict]:
   """(table rows, details) of regeneration on the config's mesh: the AR engine ``regenerate`` runs (``batch``
   slots, one data group per data shard, one lane of 64 prompt rows per group and round) for prompts of
   ``prompt`` tokens and ``max_new`` new ones, bf16; per round of the body with lanes."""
@@ -369,20 +400,35 @@ def regen_case(name: str, c: ml_collections.ConfigDict, target: Qwen3Config, bat
   plan = engine.EnginePlan(slots=batch, rows=batch, lanes=groups, prefill_rows=64, max_prompt=prompt,
                            max_new_tokens=max_new, queue=2 * batch // groups, groups=groups)
   t0 = time.perf_counter()
-  compiled = engine_program(target, None, plan, mesh)
+  compiled, trips = compile_engine(target, None, plan, mesh, attention=attention, prefill=True)
   target_len, _ = plan.cache_lengths(None)
   rows = [{"config": name, "program": f"regen x{batch}, prompts {prompt} + {max_new} (per round)",
            "mesh": f"{mesh.shape['data']}x{mesh.shape['model']}", **memory_row(compiled),
-           **flops_row(compiled, target_flops(target, batch + groups * 64, target_len), mesh.size, unknown_trips=1),
+           **flops_row(compiled, target_flops(target, batch + groups * 64, target_len), mesh.size,
+                       unknown_trips=trips),
            "compile_s": time.perf_counter() - t0}]
   return rows, {"cache_positions": target_len, "batch": batch, "lanes": groups, "prefill_rows": 64}
+
+
+def tpu_costs(rows: list[dict], chip: hlo_cost.Device) -> None:
+  """Add to each row of a TPU target its roofline time on ``chip`` (``model_ms``, from its per-chip bytes accessed
+  and FLOPs) and, for an engine round, its bytes against the AR round's of the same config and batch (``vs_ar``)."""
+  ar = {(r["config"], r["program"].split(" x")[-1]): r["gb_accessed"] for r in rows if r["program"].startswith("AR")}
+  for r in rows:
+    if r.get("gb_accessed") is None:
+      continue
+    r["model_ms"] = 1e3 * max(r["gb_accessed"] * GB / chip.bandwidth, r["chip_tflop"] * 1e12 / chip.peak)
+    batch = r["program"].split(" x")[-1].split(" ")[0] if r["program"].startswith(("AR", "decode")) else None
+    base = ar.get((r["config"], batch))
+    r["vs_ar"] = r["gb_accessed"] / base if base else None
 
 
 def main(argv: list[str] | None = None) -> int:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated subset of {', '.join(CONFIGS)}")
-  p.add_argument("--target", choices=("cpu", "h200"), default="cpu",
-                 help="compile for 8 fake CPU devices or for 8 H200s (no GPU needed: jax's CUDA plugin)")
+  p.add_argument("--target", choices=("cpu", "h200", *TPU_SLICES), default="cpu",
+                 help="compile for 8 fake CPU devices, for 8 H200s (no GPU needed: jax's CUDA plugin) or for a TPU "
+                      "slice (no TPU needed: libtpu)")
   p.add_argument("--layers", type=int, default=0, help="> 0: cut every target and head to this many layers (CI)")
   p.add_argument("--no-decode", action="store_true", help="skip the speculative decode loop")
   p.add_argument("--no-regen", action="store_true", help="skip regeneration (chunked prefill and an AR step)")
@@ -390,10 +436,11 @@ def main(argv: list[str] | None = None) -> int:
   p.add_argument("--no-train", action="store_true", help="skip the train step")
   p.add_argument("--decode-len", type=int, default=4096, help="committed positions (prompt + max_new_tokens)")
   p.add_argument("--budget", type=int, default=128, help="tree node budget of the decode loop")
-  p.add_argument("--gpu-programs", action="store_true",
+  p.add_argument("--round-programs", "--gpu-programs", dest="round_programs", action="store_true",
                  help="for the decode configs: the AR step and the budget-16 / budget-128 rounds at batch 1 and 64, "
                       "and the budget-128 round with the loop-free best_nodes tree (instead of the one decode row)")
-  p.add_argument("--attention", default="xla", help="attention implementation inside the decode programs")
+  p.add_argument("--attention", help="attention implementation inside the decode programs (default: tpu, the Mosaic "
+                                     "TPU kernel, on a TPU target, else xla)")
   p.add_argument("--engine-slots", type=int, default=0,
                  help="> 0: the engine's round at this many slots, greedy, sampled and per-request sampling")
   p.add_argument("--paged-slots", type=int, default=0,
@@ -409,15 +456,32 @@ def main(argv: list[str] | None = None) -> int:
   p.add_argument("--mix-requests", type=int, default=1000, help="the paged rows: ShareGPT requests in the mix")
   p.add_argument("--moe-dispatch", choices=("auto", "loop", "gather", "kernel"), default="auto",
                  help="MoE expert dispatch (models/moe.py; auto: loop on CPU, kernel on GPU, gather on TPU)")
-  p.add_argument("--budget-gb", type=float, default=80.0)
-  p.add_argument("--headroom-gb", type=float, default=10.0)
+  p.add_argument("--budget-gb", type=float, help="memory per device (default 80; a TPU target: its chip's HBM)")
+  p.add_argument("--headroom-gb", type=float, help="memory to spare (default 10; a TPU target: 1/8 of its HBM)")
   p.add_argument("--out", help="JSON path (default bench/results/aot_memory.json)")
   args = p.parse_args(argv)
   names = [n for n in args.configs.split(",") if n]
   unknown = set(names) - set(CONFIGS)
   if unknown:
     p.error(f"unknown config(s) {', '.join(sorted(unknown))}; choose from {', '.join(CONFIGS)}")
-  if args.target == "h200":
+  tpu = args.target in TPU_SLICES
+  chip = hlo_cost.TPU_DEVICES[args.target.split("-")[0]] if tpu else None
+  if args.budget_gb is None:
+    args.budget_gb = chip.memory / GB if tpu else 80.0
+  if args.headroom_gb is None:
+    args.headroom_gb = args.budget_gb / 8 if tpu else 10.0
+  if args.attention is None:
+    args.attention = "tpu" if tpu else "xla"
+  if tpu:
+    try:
+      devices = deviceless.tpu_devices(args.target)
+    except JetSpecError as e:
+      p.error(str(e))
+    one_device = devices[:1]
+    print(f"AOT compile for {args.target} ({len(devices)} x {chip.name}; deviceless: libtpu, no TPU), abstract "
+          f"weights; per-chip GB against {args.budget_gb:g} GB with {args.headroom_gb:g} GB headroom; engine rows "
+          "are ONE round compiled alone, costed by XLA:TPU's cost_analysis().", flush=True)
+  elif args.target == "h200":
     try:
       devices = deviceless.h200_devices(8)
       one_device = deviceless.h200_devices(1)
@@ -445,7 +509,7 @@ def main(argv: list[str] | None = None) -> int:
       c.head.target_layer_ids = tuple(sorted({min(t, layers - 1) for t in c.head.target_layer_ids}))
       c.head.num_layers = min(c.head.num_layers, args.layers)
     programs = [] if args.no_train else [("train", lambda: train_case(name, c, target, devices))]
-    if name in DECODE_CONFIGS and not args.no_decode and args.gpu_programs:
+    if name in DECODE_CONFIGS and not args.no_decode and args.round_programs:
       for batch in (1, 64):
         programs.append((f"ar/x{batch}", lambda batch=batch: ar_case(name, target, args.decode_len, batch, devices,
                                                                      args.attention)))
@@ -474,7 +538,8 @@ def main(argv: list[str] | None = None) -> int:
             name, c, target, args.paged_slots, args.paged_context, args.page_rows, pool, one_device, args.attention,
             args.prefix_caching)))
     if name in REGEN_CONFIGS and not args.no_regen:
-      programs.append(("regen", lambda: regen_case(name, c, target, *map(int, args.regen.split(",")), devices)))
+      programs.append(("regen", lambda: regen_case(name, c, target, *map(int, args.regen.split(",")), devices,
+                                                   args.attention)))
     for kind, run in programs:
       new_rows, info = run()
       for row in new_rows if isinstance(new_rows, list) else [new_rows]:
@@ -490,13 +555,17 @@ def main(argv: list[str] | None = None) -> int:
       print(f"{key}: {format_table([info['concurrency']], CONCURRENCY)}")
   if args.paged_slots and mix is None:
     print(f"no tokenizer at {args.mix_tokenizer} (--mix-tokenizer): concurrent requests not computed")
+  if tpu:
+    tpu_costs(rows, chip)
   print()
-  print(format_table(rows, COLUMNS))
+  print(format_table(rows, TPU_COLUMNS if tpu else COLUMNS))
   for row in rows:
     if row.get("control_flow"):
       print(f"{row['config']} {row['program']}: control flow per iteration from {', '.join(row['control_flow'])}")
-  compiler = "XLA:GPU for H200 (deviceless)" if args.target == "h200" else "XLA:CPU fusion and scheduling differ " \
-      "from XLA:GPU: temporaries are an estimate"
+  compiler = {"h200": "XLA:GPU for H200 (deviceless)", "cpu": "XLA:CPU fusion and scheduling differ from XLA:GPU: "
+              "temporaries are an estimate"}.get(args.target, f"XLA:TPU for {args.target} (deviceless libtpu); "
+                                                  "gb_accessed / chip_tflop: cost_analysis() per chip; model_ms: max("
+                                                  "bytes / HBM bandwidth, FLOPs / bf16 peak), a model")
   result = {"benchmark": NAME, "args": vars(args), "machine": machine_info(), "jax": jax.__version__, "rows": rows,
             "details": details,
             "notes": ["per-device numbers of the SPMD program; peak_gb = args + out - alias + temp", compiler,

@@ -6,8 +6,8 @@ Needs ``jax[cuda12]`` at jax's own version (plus ``absl-py`` for Mosaic GPU kern
 target is XLA's ``GpuTargetConfig`` text for an H200 (132 SMs, 4.8 TB/s, sm_90). ``cost_analysis()``
 is None for such programs; ``memory_analysis()`` and ``as_text()`` work.
 
-TPUs likewise (``tpu_devices``): ``jax[tpu]`` (libtpu) at jax's version, ``JAX_PLATFORMS=cpu``, a chip
-topology by name; there ``cost_analysis()`` gives a program's FLOPs and bytes accessed.
+TPUs likewise (``tpu_devices``): ``jax[tpu]`` (libtpu) at jax's version, ``JAX_PLATFORMS=cpu``, a chip or
+slice topology by name; there ``cost_analysis()`` gives a program's FLOPs and bytes accessed.
 """
 from __future__ import annotations
 
@@ -64,7 +64,9 @@ def h200_mesh(data: int, model: int):
   return make_mesh(data, model, h200_devices(data * model))
 
 
-TPU_TOPOLOGIES = {"v5e": "v5e:1x1", "v6e": "v6e:1x1", "v5p": "v5p:1x1x1"}     # one chip of each
+# One chip of each kind, and the 8-core slices teams start on (v5p-8: 4 chips of 2 cores, one device each).
+TPU_TOPOLOGIES = {"v5e": "v5e:1x1", "v6e": "v6e:1x1", "v5p": "v5p:1x1x1",
+                  "v5e-8": "v5e:2x4", "v6e-8": "v6e:2x4", "v5p-8": "v5p:2x2x1"}
 
 
 def tpu_available() -> bool:
@@ -74,11 +76,12 @@ def tpu_available() -> bool:
 
 @functools.lru_cache(maxsize=None)
 def tpu_devices(chip: str) -> tuple:
-  """One TPU ``chip`` (``TPU_TOPOLOGIES``), no TPU attached: for meshes, shardings and ``.compile()``."""
+  """The chips of a TPU ``chip`` or slice (``TPU_TOPOLOGIES``), no TPU attached: for meshes, shardings and
+  ``.compile()``."""
   if not tpu_available():
     raise JetSpecError(f"compiling for a TPU needs libtpu: pip install \"jax[tpu]=={jax.__version__}\" in its own "
                        "venv (no TPU needed)")
   if chip not in TPU_TOPOLOGIES:
-    raise JetSpecError(f"unknown TPU chip {chip!r}; choose from {', '.join(TPU_TOPOLOGIES)}")
+    raise JetSpecError(f"unknown TPU chip or slice {chip!r}; choose from {', '.join(TPU_TOPOLOGIES)}")
   from jax.experimental import topologies
   return tuple(topologies.get_topology_desc(topology_name=TPU_TOPOLOGIES[chip], platform="tpu").devices)

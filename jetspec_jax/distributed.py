@@ -10,6 +10,11 @@ number of processes and this process's id is taken from, in order:
    ``SLURM_STEP_NODELIST`` (or ``SLURM_JOB_NODELIST``), port ``JETSPEC_COORDINATOR_PORT``
    (default 12355) (``source="slurm"``).
 
+4. a Cloud TPU VM (a Google TPU on this host's PCI bus, ``on_tpu_vm``) with none of the above: every host of
+   the slice runs the same command and ``jax.distributed.initialize()`` is called with no arguments, so jax
+   reads the slice's workers from the TPU VM's metadata (GCE) or ``TPU_WORKER_HOSTNAMES`` (GKE)
+   (``source="tpu"``; ``JETSPEC_TPU_CLUSTER=0`` turns this off).
+
 With none of these (or a single process) it does nothing and reports ``source="single"`` (or the
 source that said one process). ``local_device_ids`` may also come from ``JETSPEC_LOCAL_DEVICE_IDS``
 (``"0,1"``); by default every device the process sees is used (JAX's own SLURM detection, which
@@ -35,9 +40,11 @@ ENV_NUM_PROCESSES = "JETSPEC_NUM_PROCESSES"
 ENV_PROCESS_ID = "JETSPEC_PROCESS_ID"
 ENV_COORDINATOR_PORT = "JETSPEC_COORDINATOR_PORT"
 ENV_LOCAL_DEVICE_IDS = "JETSPEC_LOCAL_DEVICE_IDS"
+ENV_TPU_CLUSTER = "JETSPEC_TPU_CLUSTER"
+GOOGLE_PCI_VENDOR = "0x1ae0"          # the PCI vendor id of Google's TPU chips
 DEFAULT_PORT = 12355
 CPU_COLLECTIVES = ("gloo", "mpi", "megascale")
-SOURCES = ("flags", "env", "slurm", "single")
+SOURCES = ("flags", "env", "slurm", "tpu", "single")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,7 +53,7 @@ class DistributedInfo:
   process_index: int
   process_count: int
   coordinator: str | None
-  source: str  # "flags" | "env" | "slurm" | "single"
+  source: str  # "flags" | "env" | "slurm" | "tpu" | "single"
   local_device_ids: tuple[int, ...] | None = None
 
   @property
@@ -261,6 +268,30 @@ def resolve(coordinator_address: str | None = None, num_processes: int | None = 
   return DistributedInfo(pid, n, coord, source, _parse_device_ids(local_device_ids))
 
 
+def on_tpu_vm(pci_root: str = "/sys/bus/pci/devices") -> bool:
+  """Whether this host has a Google TPU chip on its PCI bus (a Cloud TPU VM), read from ``pci_root``."""
+  try:
+    names = os.listdir(pci_root)
+  except OSError:
+    return False
+  for name in names:
+    try:
+      with open(os.path.join(pci_root, name, "vendor")) as f:
+        if f.read().strip().lower() == GOOGLE_PCI_VENDOR:
+          return True
+    except OSError:
+      continue
+  return False
+
+
+def tpu_cluster(info: DistributedInfo, env: Mapping[str, str] | None = None, pci_root: str = "/sys/bus/pci/devices"
+                ) -> bool:
+  """Whether ``initialize`` hands start-up to jax's TPU cluster detection: nothing named a coordinator, a process
+  count or an id (``info.source == "single"``), this is a Cloud TPU VM, and ``JETSPEC_TPU_CLUSTER`` is not 0."""
+  env = os.environ if env is None else env
+  return info.source == "single" and env.get(ENV_TPU_CLUSTER, "1") != "0" and on_tpu_vm(pci_root)
+
+
 _STATE: dict = {"info": None}
 
 
@@ -280,7 +311,8 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
     raise JetSpecError(f"cpu_collectives must be one of {', '.join(CPU_COLLECTIVES)} or None, "
                        f"got {cpu_collectives!r}")
   info = resolve(coordinator_address, num_processes, process_id, local_device_ids)
-  if info.process_count == 1:
+  tpu = tpu_cluster(info)
+  if info.process_count == 1 and not tpu:
     _STATE["info"] = info
     return info
 
@@ -290,19 +322,25 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
                        "jetspec_jax.distributed.initialize() instead, once, at start-up")
   if cpu_collectives is not None:
     jax.config.update("jax_cpu_collectives_implementation", cpu_collectives)
+  where = {} if tpu else {"coordinator_address": info.coordinator, "num_processes": info.process_count,
+                          "process_id": info.process_index, "cluster_detection_method": "deactivate"}
   try:
     jax.distributed.initialize(
-        coordinator_address=info.coordinator, num_processes=info.process_count, process_id=info.process_index,
-        local_device_ids=list(info.local_device_ids) if info.local_device_ids is not None else None,
-        cluster_detection_method="deactivate", initialization_timeout=int(initialization_timeout),
-        heartbeat_timeout_seconds=int(heartbeat_timeout_seconds),
+        **where, local_device_ids=list(info.local_device_ids) if info.local_device_ids is not None else None,
+        initialization_timeout=int(initialization_timeout), heartbeat_timeout_seconds=int(heartbeat_timeout_seconds),
         shutdown_timeout_seconds=int(shutdown_timeout_seconds))
-  except RuntimeError as e:
+  except (RuntimeError, ValueError) as e:
     if "must be called before" in str(e):
       raise JetSpecError("jetspec_jax.distributed.initialize() must run before any JAX computation or "
                          "jax.devices() call in this process") from e
+    if tpu:
+      raise JetSpecError(f"this Cloud TPU VM could not join its slice's other hosts (jax's TPU cluster detection): "
+                         f"{str(e).splitlines()[0] if str(e) else e!r}; set {ENV_TPU_CLUSTER}=0 to run it alone") from e
     raise JetSpecError(f"process {info.process_index}/{info.process_count} could not join the coordinator at "
                        f"{info.coordinator} ({info.source}): {str(e).splitlines()[0] if str(e) else e!r}") from e
+  if tpu:
+    info = dataclasses.replace(info, process_index=jax.process_index(), process_count=jax.process_count(),
+                               source="tpu")
   _STATE["info"] = info
   return info
 

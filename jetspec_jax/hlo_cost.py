@@ -78,12 +78,14 @@ class Kernel:
 
 @dataclasses.dataclass(frozen=True)
 class Device:
-  """Roofline constants: HBM ``bandwidth`` (bytes/s), dense bf16 ``peak`` (FLOP/s), ``launch_s`` per kernel."""
+  """Roofline constants: HBM ``bandwidth`` (bytes/s), dense bf16 ``peak`` (FLOP/s), ``launch_s`` per kernel;
+  ``memory`` (bytes of HBM per device)."""
   name: str
   bandwidth: float
   peak: float
   launch_s: float
   source: str
+  memory: float = 0.0
 
 
 # The launch cost: the one H200 measurement on record (docs/gpu.md, 2026-11-29) had Qwen3-8B's batch-1 AR step at
@@ -91,16 +93,16 @@ class Device:
 LAUNCH_S = 1.5e-6
 DEVICES = {
     "h200": Device("H200 SXM", 4.8e12, 989e12, LAUNCH_S, "NVIDIA H200 datasheet: 4.8 TB/s HBM3e, 989 TFLOP/s dense "
-                   "bf16; launch cost from the 2026-11-29 H200 AR step"),
+                   "bf16; launch cost from the 2026-11-29 H200 AR step", 141e9),
     "h100": Device("H100 SXM", 3.35e12, 989e12, LAUNCH_S, "NVIDIA H100 SXM datasheet: 3.35 TB/s HBM3, 989 TFLOP/s "
-                   "dense bf16; launch cost as the H200's"),
+                   "dense bf16; launch cost as the H200's", 80e9),
 }
 # One TPU chip each (public spec sheets); a TPU program is costed whole (its compiled ``cost_analysis()``), with no
 # launch cost: XLA:TPU runs a program as one.
 TPU_DEVICES = {
-    "v5e": Device("TPU v5e", 819e9, 197e12, 0.0, "Google Cloud TPU v5e: 819 GB/s HBM, 197 TFLOP/s bf16, 16 GB"),
-    "v6e": Device("TPU v6e", 1640e9, 918e12, 0.0, "Google Cloud TPU v6e: 1,640 GB/s HBM, 918 TFLOP/s bf16, 32 GB"),
-    "v5p": Device("TPU v5p", 2765e9, 459e12, 0.0, "Google Cloud TPU v5p: 2,765 GB/s HBM, 459 TFLOP/s bf16, 95 GB"),
+    "v5e": Device("TPU v5e", 819e9, 197e12, 0.0, "Google Cloud TPU v5e: 819 GB/s HBM, 197 TFLOP/s bf16, 16 GB", 16e9),
+    "v6e": Device("TPU v6e", 1640e9, 918e12, 0.0, "Google Cloud TPU v6e: 1,640 GB/s HBM, 918 TFLOP/s bf16, 32 GB", 32e9),
+    "v5p": Device("TPU v5p", 2765e9, 459e12, 0.0, "Google Cloud TPU v5p: 2,765 GB/s HBM, 459 TFLOP/s bf16, 95 GB", 95e9),
 }
 
 

@@ -253,3 +253,43 @@ def test_the_engine_round_for_a_tpu_chip_runs_the_tpu_kernel():
   report = loop_report(text)
   assert report["while_loops"] == 0 and report["conditionals"] == 0, report
   assert kernel_bytes < xla_bytes, (kernel_bytes, xla_bytes)
+
+
+@needs_libtpu
+@pytest.mark.parametrize("sampling", ["greedy", "per_request"])
+def test_moe_engine_rounds_for_a_v5p_tpu_slice_keep_no_control_flow(sampling):
+  """The small MoE's greedy and per-request budget-16 rounds (best_nodes) on a v5p-8 slice (4 chips, mesh 1 x 4)
+  with ``--attention tpu``: the TPU kernel in every layer, the ``gather`` expert dispatch (what ``auto`` picks on a
+  TPU), no while loop or conditional but the sampled acceptance walk's and the greedy-round switch (none when
+  greedy is compiled in), and bytes accessed per chip from XLA:TPU's cost_analysis."""
+  from jetspec_jax.decode import speculative
+  from jetspec_jax.models import moe
+  from jetspec_jax.train import trainer
+  c, target = small_case()
+  devices = deviceless.tpu_devices("v5p-8")
+  mesh = aot_memory.make_mesh(1, len(devices), devices)
+  assert len(devices) == 4 and moe.dispatch_for(target, mesh) == "gather"
+  head_cfg = trainer.build_head_config(c, target, None)
+  plan = aot_memory.round_plan(512, 2, speculative.TreeConfig("best_nodes", 16, 7, head_cfg.depth), sampling)
+  compiled, trips = aot_memory.compile_engine(target, head_cfg, plan, mesh, sampling, "tpu")
+  text = compiled.as_text()
+  assert trips is None and text.count('custom_call_target="tpu_custom_call"') >= target.num_hidden_layers
+  report = loop_report(text)
+  control = report["while_ops"] + report["conditional_ops"]
+  assert all("jetspec_accept" in op or "jetspec_tree/cond" in op for op in control), control
+  assert not control if sampling == "greedy" else report["while_loops"] >= 1, report
+  row = aot_memory.flops_row(compiled, 1.0, mesh.size)
+  assert row["gb_accessed"] > 0 and row["chip_tflop"] > 0, row
+
+
+@needs_libtpu
+def test_aot_memory_for_a_tpu_slice_reports_memory_and_cost_per_chip(tmp_path):
+  """``bench/aot_memory.py --target v6e-8``: the tiny config's train step on its mesh over 8 v6e chips, per-chip
+  memory against the chip's HBM, bytes and FLOPs from cost_analysis, a roofline time."""
+  import json
+  out = tmp_path / "aot.json"
+  assert aot_memory.main(["--target", "v6e-8", "--configs", "tiny", "--no-decode", "--out", str(out)]) == 0
+  result = json.loads(out.read_text())
+  (row,) = result["rows"]
+  assert result["args"]["budget_gb"] == 32 and row["mesh"] == "8x1" and row["fits"], row
+  assert row["gb_accessed"] > row["args_gb"] > 0 and row["chip_tflop"] > 0 and row["model_ms"] > 0, row

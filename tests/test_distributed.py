@@ -157,6 +157,38 @@ def test_initialize_single_process_is_a_noop(monkeypatch):
     dist.initialize(cpu_collectives="nccl")
 
 
+def _pci(root, *vendors):
+  for i, vendor in enumerate(vendors):
+    os.makedirs(root / f"0000:00:0{i}.0")
+    (root / f"0000:00:0{i}.0" / "vendor").write_text(vendor + "\n")
+  return str(root)
+
+
+def test_a_cloud_tpu_vm_is_told_by_a_google_chip_on_the_pci_bus(tmp_path):
+  assert dist.on_tpu_vm(_pci(tmp_path / "tpu", "0x8086", "0x1ae0"))
+  assert not dist.on_tpu_vm(_pci(tmp_path / "gpu", "0x8086", "0x10de"))
+  assert not dist.on_tpu_vm(str(tmp_path / "missing"))
+
+
+def test_jax_finds_a_tpu_slice_only_when_nothing_else_says_how(tmp_path):
+  tpu = _pci(tmp_path, "0x1ae0")
+  single = dist.resolve(env={})
+  assert dist.tpu_cluster(single, {}, tpu) and not dist.tpu_cluster(single, {}, str(tmp_path / "none"))
+  assert not dist.tpu_cluster(single, {"JETSPEC_TPU_CLUSTER": "0"}, tpu)
+  told = dist.resolve(env={"JETSPEC_COORDINATOR": "h:1", "JETSPEC_NUM_PROCESSES": "2", "JETSPEC_PROCESS_ID": "1"})
+  assert not dist.tpu_cluster(told, {}, tpu)
+
+
+def test_a_tpu_vm_that_finds_no_slice_says_so_in_one_sentence():
+  """The TPU path calls the real ``jax.distributed.initialize()`` with no arguments; off a TPU VM jax's cluster
+  detection finds nothing, and the error names the way out."""
+  code = ("from jetspec_jax import distributed as d; d.on_tpu_vm = lambda *a: True\n"
+          "try:\n  d.initialize(initialization_timeout=5)\nexcept d.JetSpecError as e:\n  print('ERR', e)")
+  r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=_child_env(1))
+  assert r.returncode == 0 and "ERR this Cloud TPU VM could not join" in r.stdout, r.stdout + r.stderr
+  assert "JETSPEC_TPU_CLUSTER=0" in r.stdout
+
+
 def test_initialize_after_jax_started_is_a_clear_error(monkeypatch):
   import jax
   jax.devices()  # the backend is up, so jax.distributed can no longer start (and nothing can hang)
