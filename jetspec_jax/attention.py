@@ -44,7 +44,9 @@ from pallas_kernels.tuning import KernelTuning, load_tuning
 
 IMPLEMENTATIONS = ("xla", "xla_chunked", "xla_ragged", "pallas", "pallas_interpret", "mosaic", "mosaic_interpret",
                    "tpu", "tpu_interpret")
-CACHE_ROWS_MULTIPLE = 8   # KV cache lengths: the Mosaic GPU kernel's TMA boxes start at multiples of 8 rows
+# KV cache lengths: the Mosaic GPU kernel's TMA boxes start at multiples of 8 rows; the TPU kernel's bf16 key blocks
+# are whole (16, 128) VMEM tiles (``tree_attention_tpu.ROW_TILE``).
+CACHE_ROWS_MULTIPLE = 16
 
 
 def cache_rows(rows: int) -> int:

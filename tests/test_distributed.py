@@ -287,7 +287,7 @@ def test_two_processes_gloo_global_sum(tmp_path):
 # ---------------------------------------------------------------------------------------- launch/
 
 
-@pytest.mark.parametrize("script", ["local.sh", "multinode.sh", "slurm.sbatch"])
+@pytest.mark.parametrize("script", ["local.sh", "multinode.sh", "slurm.sbatch", "tpu_vm.sh"])
 def test_scripts_parse(script):
   subprocess.run(["bash", "-n", os.path.join(LAUNCH, script)], check=True, timeout=10)
 
@@ -335,3 +335,23 @@ def test_multinode_sh_sets_env_and_validates():
   r = subprocess.run(["bash", os.path.join(LAUNCH, "multinode.sh"), "h:1", "2", "1", "--", "sh", "-c", "exit 7"],
                      capture_output=True, text=True, timeout=10)
   assert r.returncode == 7
+
+
+def test_tpu_vm_sh_runs_the_same_command_on_every_worker():
+  """--dry-run: one gcloud ssh to every worker, whose command sets up .venv-tpu and runs the arguments unchanged
+  (spaces and quotes survive both shells); bad usage is one sentence and status 2."""
+  import shlex
+  args = ["jetspec-jax", "train", "--config", "configs/qwen3_8b.py", "--config.output_dir=runs/a b'c"]
+  r = subprocess.run(["bash", os.path.join(LAUNCH, "tpu_vm.sh"), "--zone", "us-east5-a", "--python", "/opt/py 3.12",
+                      "--dry-run", "my-v5p-16", "--", *args], capture_output=True, text=True, timeout=10)
+  assert r.returncode == 0, r.stderr
+  gcloud = shlex.split(r.stdout)
+  assert gcloud[:6] == ["gcloud", "compute", "tpus", "tpu-vm", "ssh", "my-v5p-16"], gcloud
+  assert "--worker=all" in gcloud and "--zone=us-east5-a" in gcloud
+  remote = shlex.split(next(a for a in gcloud if a.startswith("--command="))[len("--command="):])
+  assert remote[:3] == ["cd", "jetspec-jax", "&&"] and "PYTHON=/opt/py 3.12" in remote, remote
+  assert remote[remote.index("scripts/setup_tpu.sh") + 2:] == [".venv-tpu/bin/" + args[0], *args[1:]], remote
+  for bad in (["BAD", "--", "x"], ["name", "--"], ["--zone"], ["name", "x"], ["--bogus", "n", "--", "x"]):
+    r = subprocess.run(["bash", os.path.join(LAUNCH, "tpu_vm.sh"), *bad], capture_output=True, text=True, timeout=10)
+    assert r.returncode == 2 and r.stderr.startswith("tpu_vm.sh: "), (bad, r.stderr)
+
