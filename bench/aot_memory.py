@@ -134,10 +134,9 @@ def flops_row(compiled, analytic: float, devices: int, unknown_trips: int | None
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
   text = compiled.as_text()
   from jetspec_jax.decode.engine import ROUND_BODIES
-  try:
-    hlo = hlo_dot_flops(text, unknown_trips, alternatives=ROUND_BODIES) * devices
-  except ValueError:                  # XLA:TPU leaves its loops' trip counts unannotated: its cost_analysis stands
-    hlo = None
+  # XLA:TPU writes matmuls as convolutions and leaves its loops' trip counts unannotated: its cost_analysis stands.
+  tpu = next(iter(jax.tree.leaves(compiled.input_shardings)[0].device_set)).platform == "tpu"
+  hlo = None if tpu else hlo_dot_flops(text, unknown_trips, alternatives=ROUND_BODIES) * devices
   report = loop_report(text, per_iteration=unknown_trips is not None)
   return {"xla_tflop": float(cost.get("flops", 0.0)) * devices / 1e12 if cost else None,
           "gb_accessed": float(cost["bytes accessed"]) / GB if cost and "bytes accessed" in cost else None,
