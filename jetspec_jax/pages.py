@@ -220,13 +220,27 @@ def take(pool: jax.Array, table: jax.Array, rows: jax.Array) -> jax.Array:
 
 def write(pool: jax.Array, new: jax.Array, table: jax.Array, start: jax.Array) -> jax.Array:
   """``new`` [B, Hkv, N, Dh] written into ``pool`` [G, Pg, Hkv, R, Dh] as slot b's rows start[b] .. start[b] + N - 1
-  (pages the table [B, T] gives; a row without a page is dropped)."""
+  (pages the table [B, T] gives; a row without a page is dropped). Whole pages are written: each page holding one
+  of the new rows is read, its new rows set and the page written back (pages with none are not written). A
+  scatter of single rows into tiled pages makes XLA:TPU copy the whole pool into another layout and back."""
   g, (b, _, n, _) = pool.shape[0], new.shape
-  per = b // g
-  rows = (start[:, None] + jnp.arange(n)[None, :]).reshape(g, per * n)
-  slot = jnp.broadcast_to(jnp.arange(per)[:, None], (per, n)).reshape(1, per * n)
-  values = new.transpose(0, 2, 1, 3).reshape((g, per * n) + new.shape[1:2] + new.shape[3:])
-  return scatter(pool, values, table, jnp.broadcast_to(slot, rows.shape), rows)
+  per, r = b // g, pool.shape[3]
+  span = -(-(n + r - 1) // r)                                          # pages N rows from any offset can touch
+  index = start[:, None] // r + jnp.arange(span)[None, :]             # [B, span]: the slots' page indices
+  offset = index[..., None] * r + jnp.arange(r) - start[:, None, None]  # [B, span, R]: row of ``new`` (or outside)
+  fresh = (offset >= 0) & (offset < n)
+
+  def one(pool_g, table_g, new_g, index_g, offset_g, fresh_g):
+    s, t = table_g.shape
+    slot = jnp.arange(s)[:, None]
+    page = table_g[slot, jnp.clip(index_g, 0, t - 1)]
+    page = jnp.where((index_g < t) & (page >= 0) & jnp.any(fresh_g, axis=-1), page, pool_g.shape[0])   # [S, span]
+    rows = new_g[slot[..., None], :, jnp.clip(offset_g, 0, n - 1)].transpose(0, 1, 3, 2, 4)  # [S, span, Hkv, R, Dh]
+    old = pool_g[jnp.where(page < pool_g.shape[0], page, 0)]
+    whole = jnp.where(fresh_g[:, :, None, :, None], rows.astype(pool_g.dtype), old)
+    return pool_g.at[page.reshape(-1)].set(whole.reshape((-1,) + whole.shape[2:]), mode="drop")
+  by = lambda x: x.reshape((g, per) + x.shape[1:])
+  return jax.vmap(one)(pool, _by_group(pool, table), by(new), by(index), by(offset), by(fresh))
 
 
 def gather(pool: jax.Array, table: jax.Array, length: int) -> jax.Array:

@@ -94,7 +94,7 @@ def test_max_model_len_bounds_a_request_not_its_parts():
   the attention's keys span max_model_len rows (and a round's scratch), not max_prompt + max_new_tokens."""
   plan = EnginePlan(slots=2, rows=2, lanes=1, prefill_rows=8, max_prompt=63, max_new_tokens=63, queue=4, page_rows=8,
                     max_model_len=64)
-  assert plan.cache_lengths(None)[0] == 72 and plan.max_pages(None) == 9
+  assert plan.cache_lengths(None)[0] == 80 and plan.max_pages(None) == 10     # 64 + 1 rows, in multiples of 16
   engine = Engine(CFG, target(), plan)
   engine.check([Request([1] * 60, 4), Request([1], 63)])
   with pytest.raises(JetSpecError, match=r"^request 0: a prompt of 40 tokens plus max_new_tokens 30 is more than the "

@@ -91,6 +91,26 @@ def test_rows_written_through_pages_read_back_as_the_contiguous_cache(page_rows)
   check_invariant(p)
 
 
+@pytest.mark.parametrize("n", [1, 5, 11, 19])
+def test_whole_page_writes_equal_row_writes_and_touch_no_other_page(n):
+  """``write`` (read each page holding a new row, set its rows, write the page back) against ``scatter`` row by
+  row: equal bit for bit over a pool of garbage, starts mid-page and on a boundary, slots holding fewer pages than
+  the rows need (-1 entries) and rows past the table (dropped); every other page and row unchanged."""
+  rng = np.random.default_rng(n)
+  g, pg, h, r, d, per, t = 2, 12, 2, 8, 4, 2, 4
+  pool = jnp.asarray(rng.normal(size=(g, pg, h, r, d)), jnp.float32)
+  table = np.stack([rng.permutation(pg)[:per * t].reshape(per, t) for _ in range(g)]).reshape(g * per, t)
+  table[1, 2:] = -1                                                      # slot 1 holds two pages
+  table = jnp.asarray(table.astype(np.int32))
+  start = jnp.asarray([0, 13, 8, 30], jnp.int32)                        # boundary, mid-page, page 1, near the end
+  new = jnp.asarray(rng.normal(size=(g * per, h, n, d)), jnp.float32)
+  rows = (start[:, None] + jnp.arange(n)[None, :]).reshape(g, per * n)
+  slot = jnp.broadcast_to(jnp.repeat(jnp.arange(per), n)[None, :], rows.shape)
+  values = new.transpose(0, 2, 1, 3).reshape(g, per * n, h, d)
+  want = pages.scatter(pool, values, table, slot, rows)
+  np.testing.assert_array_equal(np.asarray(jax.jit(pages.write)(pool, new, table, start)), np.asarray(want))
+
+
 def test_prefix_keys_name_the_tokens_before_each_page_end():
   a = pages.prefix_keys(list(range(40)), 8, 4)
   b = pages.prefix_keys(list(range(16)) + [99] + list(range(17, 40)), 8, 4)
