@@ -50,6 +50,7 @@ import argparse
 import dataclasses
 import functools
 import os
+import re
 import sys
 import time
 
@@ -409,6 +410,14 @@ def regen_case(name: str, c: ml_collections.ConfigDict, target: Qwen3Config, bat
   return rows, {"cache_positions": target_len, "batch": batch, "lanes": groups, "prefill_rows": 64}
 
 
+def too_large(name: str, kind: str, message: str) -> dict:
+  """The row of a program the compiler refused for want of memory: its temporaries where the message says them."""
+  line = next((m for m in message.splitlines() if "memory" in m.lower()), message.splitlines()[0])
+  temp = re.search(r"temporaries \(([\d.]+)G\)", message)
+  return {"config": name, "program": f"{kind} (not compiled)", "temp_gb": float(temp.group(1)) * (1 << 30) / GB
+          if temp else None, "fits": False, "error": line.strip()}
+
+
 def tpu_costs(rows: list[dict], chip: hlo_cost.Device) -> None:
   """Add to each row of a TPU target its roofline time on ``chip`` (``model_ms``, from its per-chip bytes accessed
   and FLOPs) and, for an engine round, its bytes against the AR round's of the same config and batch (``vs_ar``)."""
@@ -540,7 +549,15 @@ def main(argv: list[str] | None = None) -> int:
       programs.append(("regen", lambda: regen_case(name, c, target, *map(int, args.regen.split(",")), devices,
                                                    args.attention)))
     for kind, run in programs:
-      new_rows, info = run()
+      try:
+        new_rows, info = run()
+      except jax.errors.JaxRuntimeError as e:       # XLA:TPU refuses a program larger than the chip's HBM
+        if "RESOURCE_EXHAUSTED" not in str(e):
+          raise
+        rows.append(too_large(name, kind, str(e)))
+        details[f"{name}/{kind}"] = {"error": rows[-1]["error"]}
+        print(f"{name} {kind}: not compiled: {rows[-1]['error']}", flush=True)
+        continue
       for row in new_rows if isinstance(new_rows, list) else [new_rows]:
         limit = args.usable_gib * (1 << 30) / GB if kind.startswith("paged") else args.budget_gb - args.headroom_gb
         row["fits"] = row["peak_gb"] <= limit
