@@ -57,3 +57,13 @@ def test_paged_round_holds_its_pool_not_every_slots_context(tmp_path):
   assert 0 < info["pool_gb"] and 0 <= info["state_and_other_args_gb"] < info["weights_gb"], info
   c = info["concurrency"]
   assert c["requests_in_mix"] == 20 and c["paged_requests"] > c["contiguous_requests"] > 0, c
+
+
+def test_a_program_refused_for_want_of_hbm_is_a_row_that_does_not_fit():
+  """XLA:TPU's out-of-memory refusal (its text as libtpu 0.0.50.1 words it) becomes a row: not fitting, the
+  compiler's temporaries in GB (its "G" is GiB), the sentence kept."""
+  message = ("RESOURCE_EXHAUSTED: E1000: CompileTimeHbmOom: Ran out of memory on HBM, the total memory required for "
+             "HLO temporaries (41.78G) exceeds available HBM (31.24G). HLO module: jit_step.\nSee https://x for more.")
+  row = aot_memory.too_large("qwen3_8b", "train", message)
+  assert row["fits"] is False and row["program"] == "train (not compiled)"
+  assert abs(row["temp_gb"] - 41.78 * 2 ** 30 / 1e9) < 1e-9 and row["error"].startswith("RESOURCE_EXHAUSTED")
