@@ -308,6 +308,7 @@ def decode_case(name: str, c: ml_collections.ConfigDict, target: Qwen3Config, co
   analytic = batch * decode_flops(target, head_cfg, tree.num_nodes(), target_len, draft_len, tree.depth)
   label = ("" if method == "accum_logp" else f" {method}") + ("" if sampling == "greedy" else f" {sampling}")
   row = {"config": name, "program": f"decode b{budget}{label} x{batch} (per round)", "mesh": f"1x{mesh.size}",
+         "batch": batch,
          **memory_row(compiled), **flops_row(compiled, analytic, mesh.size, unknown_trips=trips),
          "compile_s": time.perf_counter() - t0}
   return row, {"target_cache": target_len, "draft_cache": draft_len, "nodes": tree.num_nodes(), "rows": plan.rows,
@@ -323,7 +324,8 @@ def ar_case(name: str, target: Qwen3Config, committed: int, batch: int, devices:
   t0 = time.perf_counter()
   compiled, trips = compile_engine(target, None, plan, mesh, "greedy", attention)
   target_len, _ = plan.cache_lengths(None)
-  row = {"config": name, "program": f"AR round x{batch}", "mesh": f"1x{mesh.size}", **memory_row(compiled),
+  row = {"config": name, "program": f"AR round x{batch}", "mesh": f"1x{mesh.size}", "batch": batch, "ar": True,
+         **memory_row(compiled),
          **flops_row(compiled, target_flops(target, batch, target_len), mesh.size, unknown_trips=trips),
          "compile_s": time.perf_counter() - t0}
   return row, {"cache_positions": target_len, "batch": batch}
@@ -421,13 +423,12 @@ def too_large(name: str, kind: str, message: str) -> dict:
 def tpu_costs(rows: list[dict], chip: hlo_cost.Device) -> None:
   """Add to each row of a TPU target its roofline time on ``chip`` (``model_ms``, from its per-chip bytes accessed
   and FLOPs) and, for an engine round, its bytes against the AR round's of the same config and batch (``vs_ar``)."""
-  ar = {(r["config"], r["program"].split(" x")[-1]): r["gb_accessed"] for r in rows if r["program"].startswith("AR")}
+  ar = {(r["config"], r["batch"]): r["gb_accessed"] for r in rows if r.get("ar")}
   for r in rows:
     if r.get("gb_accessed") is None:
       continue
     r["model_ms"] = 1e3 * max(r["gb_accessed"] * GB / chip.bandwidth, r["chip_tflop"] * 1e12 / chip.peak)
-    batch = r["program"].split(" x")[-1].split(" ")[0] if r["program"].startswith(("AR", "decode")) else None
-    base = ar.get((r["config"], batch))
+    base = ar.get((r["config"], r.get("batch")))
     r["vs_ar"] = r["gb_accessed"] / base if base else None
 
 
