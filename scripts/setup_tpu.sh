@@ -5,13 +5,19 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ ! -x .venv-tpu/bin/python ]; then
-  py="${PYTHON:-}"
+  # Each candidate is resolved to the interpreter itself (sys.executable): a pyenv shim needs PYENV_VERSION.
+  resolve() { "$@" -c "import sys; assert sys.version_info >= (3, 12); print(sys.executable)" 2>/dev/null; }
+  py=""
+  if [ -n "${PYTHON:-}" ]; then
+    py=$(resolve "$PYTHON" || PYENV_VERSION=3.12.1 resolve "$PYTHON") \
+      || { echo "setup_tpu.sh: PYTHON=$PYTHON is not a Python 3.12 or newer" >&2; exit 1; }
+  fi
   for candidate in python3.12 python3.13; do
     [ -n "$py" ] && break
-    "$candidate" -c "import sys; assert sys.version_info >= (3, 12)" 2>/dev/null && py=$(command -v "$candidate")
+    py=$(resolve "$candidate") || py=""
   done
   if [ -z "$py" ] && command -v pyenv >/dev/null; then
-    PYENV_VERSION=3.12.1 pyenv which python3.12 >/dev/null 2>&1 && py=$(PYENV_VERSION=3.12.1 pyenv which python3.12)
+    py=$(PYENV_VERSION=3.12.1 resolve python3.12) || py=""
   fi
   [ -n "$py" ] || { echo "setup_tpu.sh: jax 0.12 needs Python 3.12 or newer; set PYTHON=/path/to/python3.12" >&2; exit 1; }
   "$py" -m venv .venv-tpu
