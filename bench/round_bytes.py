@@ -20,11 +20,14 @@ kernels; ``--full-layers`` compiles the real count instead, and the JSON says wh
 kernels (grouped by their jax source op) moving the most bytes that the AR step at that batch does not have.
 
 ``--target v5e | v6e | v5p``: each program is instead ONE decode round compiled alone (``aot_memory.round_program``)
-for one TPU chip with libtpu (no TPU attached), costed whole by its ``cost_analysis()`` (bytes accessed, FLOPs),
-with a whole-program roofline (max(bytes / bandwidth, FLOPs / peak): a lower bound), ``xla`` attention (it gathers
-each slot's pages per layer) or ``--attention tpu`` (the Mosaic TPU kernel, whose share of the cost is its declared
-estimate: every cache position of the table read once per row block); a program too large for the chip is listed
-as not compiled.
+for one TPU chip with libtpu (no TPU attached), costed two ways: its ``cost_analysis()`` (bytes accessed and FLOPs:
+every op's operands and outputs wherever they live, VMEM included) and its device-memory (HBM) bytes from the
+optimised HLO (``hlo_cost``: arrays XLA:TPU placed in VMEM or SMEM move nothing, its async copies into and out of
+VMEM move what they copy), grouped as for the H200 (the largest consumers beyond the AR step); a whole-program
+roofline on the HBM bytes (max(HBM bytes / bandwidth, FLOPs / peak): a lower bound); ``xla`` attention (it gathers
+each slot's pages per layer) or ``--attention tpu`` (the Mosaic TPU kernel: opaque, its operands counted whole in
+the HBM bytes; its share of ``cost_analysis()`` is its declared estimate, every cache position of the table read
+once per row block); a program too large for the chip is listed as not compiled.
 
   python bench/round_bytes.py --configs qwen3_8b --out docs/benchmark_runs/round_bytes_<date>_<commit>.json
   python bench/round_bytes.py --configs qwen3_8b --batches 1 --budgets 128 --full-layers     # check the model
@@ -97,7 +100,9 @@ def program_kernels(name: str, layers: int, batch: int, budget: int | None, cont
 def tpu_program_totals(name: str, layers: int, batch: int, budget: int | None, context: int, chip: str,
                        moe_dispatch: str = "auto", attention: str = "xla"):
   """(bytes accessed and FLOPs of ONE decode round compiled for one TPU ``chip``, from its ``cost_analysis()``;
-  compile seconds): the round alone (``aot_memory.round_program``), since a TPU's cost covers a whole program."""
+  the program's ops from its optimised HLO (``hlo_cost``: device-memory bytes, arrays in VMEM or SMEM not
+  counted); compile seconds): the round alone (``aot_memory.round_program``), since a TPU's cost covers a whole
+  program."""
   target, head_cfg = models(name, layers, moe_dispatch)
   mesh = make_mesh(1, 1, deviceless.tpu_devices(chip))
   tree = None if budget is None else speculative.TreeConfig("best_nodes", budget, 7, head_cfg.depth)
@@ -106,12 +111,16 @@ def tpu_program_totals(name: str, layers: int, batch: int, budget: int | None, c
   compiled = aot_memory.round_program(target, None if tree is None else head_cfg, plan, mesh, "greedy", attention)
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-  return {"bytes": float(cost["bytes accessed"]), "flops": float(cost["flops"])}, time.perf_counter() - t0
+  comps, entry = hlo_cost.parse(compiled.as_text())
+  return ({"bytes": float(cost["bytes accessed"]), "flops": float(cost["flops"])}, hlo_cost.kernels_of(comps, entry),
+          time.perf_counter() - t0)
 
 
 def tpu_case(args, name: str, batch: int, budget: int | None, say) -> dict:
-  """``case`` for a TPU ``--target``: the program's bytes accessed and FLOPs, and a whole-program roofline (a
-  lower bound: max(bytes / bandwidth, FLOPs / peak), no per-op bound, no launch cost)."""
+  """``case`` for a TPU ``--target``: the program's bytes accessed and FLOPs (``cost_analysis()``, which counts
+  every op's operands and outputs wherever they live, VMEM included), its device-memory (HBM) bytes read and
+  written from the optimised HLO (``hlo_cost``) with the groups behind them, and a whole-program roofline on the
+  HBM bytes (a lower bound: max(HBM bytes / bandwidth, FLOPs / peak), no per-op bound, no launch cost)."""
   a, b = args.layers or (tap_count(name), tap_count(name) + 1)
   full = aot_memory.TARGETS[name].num_hidden_layers
   label = "AR" if budget is None else f"best_nodes b{budget}"
@@ -120,13 +129,21 @@ def tpu_case(args, name: str, batch: int, budget: int | None, say) -> dict:
   got = [tpu_program_totals(name, n, batch, budget, args.context, args.target, args.moe_dispatch,
                             args.attention)
          for n in counts]
-  totals = got[0][0] if args.full_layers else extrapolate(got[0][0], got[1][0], a, b, full)
+  hbm = [{k: hlo_cost.totals(ks)[k] for k in ("kernels", "bytes_read", "bytes_written")} for _, ks, _ in got]
+  if args.full_layers:
+    totals, hbm, by_source = got[0][0], hbm[0], groups(got[0][1])
+  else:
+    totals, hbm = extrapolate(got[0][0], got[1][0], a, b, full), extrapolate(hbm[0], hbm[1], a, b, full)
+    by_source = scale_kernels(got[0][1], got[1][1], a, b, full)
   dev = hlo_cost.TPU_DEVICES[args.target]
-  floors = {"bytes_floor_ms": 1e3 * totals["bytes"] / dev.bandwidth, "flops_floor_ms": 1e3 * totals["flops"] / dev.peak}
+  hbm_bytes = hbm["bytes_read"] + hbm["bytes_written"]
+  floors = {"bytes_floor_ms": 1e3 * hbm_bytes / dev.bandwidth, "flops_floor_ms": 1e3 * totals["flops"] / dev.peak}
   return {"config": name, "batch": batch, "program": label, "budget": budget, "target": args.target,
           "layers": f"compiled at {full} layers" if args.full_layers else f"extrapolated from {a} and {b} layers",
-          "compile_s": sum(t for _, t in got), **totals,
-          "time_model": {args.target: {"time_ms": max(floors.values()), **floors}}}
+          "compile_s": sum(t for *_, t in got), **totals, "hbm_bytes": hbm_bytes, "hlo_ops": hbm["kernels"],
+          "hbm_bytes_read": hbm["bytes_read"], "hbm_bytes_written": hbm["bytes_written"],
+          "time_model": {args.target: {"time_ms": max(floors.values()), **floors}},
+          "by_source": by_source, "sources": group_sources(got[-1][1])}
 
 
 def extrapolate(small: dict, large: dict, a: int, b: int, layers: int) -> dict:
@@ -214,13 +231,16 @@ def rows_for(results: list[dict], taus: dict[str, float]) -> list[dict]:
     model = r["time_model"][r["target"]]["time_ms"]           # the target's (TPU chip, or H200) modelled time
     first = r["target"] if r["target"] in hlo_cost.TPU_DEVICES else "H200"
     if r["target"] in hlo_cost.TPU_DEVICES:
-      row.update({"GB accessed": r["bytes"] / 1e9, "GFLOP": r["flops"] / 1e9, f"{first} ms": model})
+      row.update({"GB accessed": r["bytes"] / 1e9, "HBM GB": r["hbm_bytes"] / 1e9, "GFLOP": r["flops"] / 1e9,
+                  f"{first} ms": model})
     else:
       row.update({"kernels": round(r["kernels"]), "GB read": r["bytes_read"] / 1e9,
                   "GB written": r["bytes_written"] / 1e9, "GFLOP": r["flops"] / 1e9,
                   "H200 ms": r["time_model"]["h200"]["time_ms"], "H100 ms": r["time_model"]["h100"]["time_ms"]})
     if base:
       row["bytes vs AR"] = r["bytes"] / base["bytes"]
+      if "hbm_bytes" in r:
+        row["HBM bytes vs AR"] = r["hbm_bytes"] / base["hbm_bytes"]
     # The published taus are budget 128's: other budgets get no projection (their tau is another).
     per_round = {"AR": 1.0} if r["budget"] is None else taus if r["budget"] == 128 else {}
     for k, tau in per_round.items():
@@ -256,7 +276,8 @@ def main(argv: list[str] | None = None) -> int:
                                                     "tpu (the Mosaic TPU kernel, TPU targets)")
   p.add_argument("--target", default="h200", choices=["h200", *hlo_cost.TPU_DEVICES],
                  help="h200: compiled for one H200 (per kernel, with the H100 model beside it); v5e / v6e / v5p: "
-                      "one round compiled for one TPU chip, its cost_analysis() (xla or tpu attention)")
+                      "one round compiled for one TPU chip: its cost_analysis() and its HLO's HBM bytes (xla or "
+                      "tpu attention)")
   p.add_argument("--moe-dispatch", choices=("auto", "gather", "kernel"), default="auto",
                  help="the sparse layers' expert dispatch (models/moe.py; auto: kernel on the H200, gather on a TPU)")
   p.add_argument("--layers", type=int, nargs=2, default=None, metavar=("A", "B"),

@@ -9,6 +9,11 @@ bookkeeping (a copy, a sort, a collective). Per kernel, from the shapes in the t
     scratch (a trailing u8/s8 workspace);
   - FLOPs: 2 x output elements x contracted size of every dot (inside a fusion, or a cuBLAS call's
     ``dot_dimension_numbers``).
+Bytes are device memory's (HBM): an array whose layout names another memory space (XLA:TPU's ``S(1)`` VMEM,
+``S(2)`` SMEM, ...) is on chip and counts nothing, and an async copy between spaces (``copy-start``,
+``slice-start``: XLA:TPU's prefetches into VMEM and evictions back) reads what it copies from HBM and writes it
+there only when its source or destination is in HBM. So a weight prefetched into VMEM is read once, by its copy,
+and the fusion that reads it there reads nothing more.
 A Pallas custom call is opaque: its operands count whole, so a kernel that reads a few pages of a large pool is
 over-counted (``opaque`` marks it). The expert-tile kernels (``pallas_kernels.expert_tiles``,
 ``EXPERT_TILE_KERNELS``) are modelled instead: each of their ``grid_x`` tiles reads one expert's slab of each
@@ -35,12 +40,15 @@ DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16"
 
 _COMP = re.compile(r"^(?:ENTRY )?%([\w.\-]+) .*\{$")
 _INSTR = re.compile(r"^\s*(ROOT )?%([\w.\-]+) = (\(.*?\)|\S+) ([a-z][\w\-]*)\((.*)$")
-_ARRAY = re.compile(r"\b([a-z]+\d*[a-z0-9]*)\[([\d,]*)\]")
+_ARRAY = re.compile(r"\b([a-z]+\d*[a-z0-9]*)\[([\d,]*)\](\{[^{}]*\})?")        # dtype, dims, layout
+_ON_CHIP = re.compile(r"S\([1-9]\d*\)")            # a layout's memory space other than 0 (device memory)
 _BOOKKEEPING = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while", "conditional", "call",
-                "after-all", "partition-id", "replica-id", "iota", "opt-barrier", "add-dependency"}
+                "after-all", "partition-id", "replica-id", "iota", "opt-barrier", "add-dependency",
+                "call-update"}      # XLA:TPU's async calls (SparseCore gathers): the work is the called computation's
 _TRANSPARENT = {"bitcast", "reshape", "copy", "transpose", "convert"}    # a slice behind these still reads a slice
 _SLICING = {"dynamic-slice", "slice", "gather"}
 _IN_PLACE = {"dynamic-update-slice": 1, "scatter": 2}                       # op -> operand index of the update
+_ASYNC_COPIES = {"copy-start": 0, "slice-start": 1}        # op -> element of its output tuple that is the copy
 # Pallas kernel name -> operand indices of the expert weight stacks it reads one expert's slab of per tile
 EXPERT_TILE_KERNELS = {"expert_tiles_gate_up": (3, 4), "expert_tiles_down": (3,)}
 
@@ -106,10 +114,16 @@ TPU_DEVICES = {
 }
 
 
-def array_bytes(shape: str) -> float:
-  """Bytes of every array in an HLO shape string (a tuple's elements summed)."""
+def array_bytes(shape: str, on_chip: bool = False) -> float:
+  """Bytes of every array in an HLO shape string in device memory (a tuple's elements summed; with ``on_chip``
+  also those whose layout puts them in another memory space)."""
   return sum(DTYPE_BYTES.get(t, 4) * math.prod(int(d) for d in dims.split(",") if d)
-             for t, dims in _ARRAY.findall(shape))
+             for t, dims, layout in _ARRAY.findall(shape) if on_chip or not _ON_CHIP.search(layout))
+
+
+def _elements(shape: str) -> list[str]:
+  """The arrays of a shape string, each with its layout."""
+  return [m.group(0) for m in _ARRAY.finditer(shape)]
 
 
 def _dims(shape: str) -> list[int]:
@@ -246,15 +260,15 @@ def _kernel_costs(ins: Instr, comps: dict[str, list[Instr]], shapes: dict[str, s
     for k, b in enumerate(operand_bytes):
       p = params.get(k)
       sliced = fused.read_bytes(p) if p else None
-      read += b if sliced is None else sliced
-    written = fused.written_bytes(fused.root) if fused.root else array_bytes(ins.shape)
+      read += b if sliced is None or b == 0 else sliced              # b == 0: the operand is on chip
+    written = min(fused.written_bytes(fused.root), array_bytes(ins.shape)) if fused.root else array_bytes(ins.shape)
     flops = sum(_dot_flops(i, {j.name: j.shape for j in comps.get(fused_name, [])})
                 for i in comps.get(fused_name, []) if i.op in ("dot", "convolution"))
     return Kernel(ins.name, "fusion", source, read, written, flops, count)
   if ins.op == "custom-call":
     target = re.search(r'custom_call_target="([^"]+)"', ins.attrs)
     target = target.group(1) if target else "?"
-    out = [array_bytes(f"{t}[{d}]") for t, d in _ARRAY.findall(ins.shape)]
+    out = [array_bytes(e) for e in _elements(ins.shape)]
     if len(out) > 1 and re.search(r"\b[su]8\[[\d,]*\]\s*\)?\s*$", ins.shape.strip()):
       out = out[:-1]                                              # cuBLAS / cuDNN workspace
     gemm = "cublas" in target or "gemm" in target
@@ -269,8 +283,11 @@ def _kernel_costs(ins: Instr, comps: dict[str, list[Instr]], shapes: dict[str, s
         flops += 2.0 * rows * contracted * cols
     return Kernel(ins.name, f"custom-call:{target}", source, sum(operand_bytes), sum(out), flops, count,
                   opaque=not gemm and not (tiles is not None and grid))
-  if ins.op in _SLICING:
-    return Kernel(ins.name, ins.op, source, array_bytes(ins.shape), array_bytes(ins.shape), 0.0, count)
+  if ins.op in _SLICING or ins.op in _ASYNC_COPIES:
+    copy = _elements(ins.shape)[_ASYNC_COPIES.get(ins.op, 0)]
+    from_memory = bool(ins.operands) and array_bytes(shapes.get(ins.operands[0], "")) > 0
+    return Kernel(ins.name, ins.op, source, array_bytes(copy, on_chip=True) if from_memory else 0.0,
+                  array_bytes(copy), 0.0, count)
   if ins.op in _IN_PLACE:
     upd = ins.operands[_IN_PLACE[ins.op]] if len(ins.operands) > _IN_PLACE[ins.op] else None
     b = array_bytes(shapes.get(upd, "")) if upd else array_bytes(ins.shape)

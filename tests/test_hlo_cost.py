@@ -77,3 +77,42 @@ def test_roofline_is_the_larger_bound_per_kernel_plus_launches():
 
 def test_array_bytes_reads_every_array_of_a_shape():
   assert hlo_cost.array_bytes("(bf16[4,8]{1,0}, f32[3]{0}, pred[])") == 4 * 8 * 2 + 12 + 1
+
+
+# XLA:TPU's text for a weight slice prefetched into VMEM (S(1)), a vector copied there, a fusion reading both there
+# and its output evicted back to device memory (the layouts' memory spaces are what matter).
+ON_CHIP_HLO = """HloModule m
+
+%fused_computation (param_0: bf16[256,128], param_1: bf16[128]) -> bf16[256] {
+  %param_0 = bf16[256,128]{1,0:T(8,128)(2,1)S(1)} parameter(0)
+  %param_1 = bf16[128]{0:T(256)S(1)} parameter(1)
+  ROOT %dot = bf16[256]{0:T(256)S(1)} dot(%param_0, %param_1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+ENTRY %main (w: bf16[1024,128], x: bf16[128]) -> bf16[256] {
+  %w = bf16[1024,128]{1,0:T(8,128)(2,1)} parameter(0)
+  %x = bf16[128]{0:T(256)} parameter(1)
+  %slice-start = ((bf16[1024,128]{1,0:T(8,128)(2,1)}), bf16[256,128]{1,0:T(8,128)(2,1)S(1)}, s32[]{:S(2)}) slice-start(%w), slice={[0:256], [0:128]}
+  %slice-done = bf16[256,128]{1,0:T(8,128)(2,1)S(1)} slice-done(%slice-start)
+  %copy-start = (bf16[128]{0:T(256)S(1)}, bf16[128]{0:T(256)}, u32[]{:S(2)}) copy-start(%x)
+  %copy-done = bf16[128]{0:T(256)S(1)} copy-done(%copy-start)
+  %fusion = bf16[256]{0:T(256)S(1)} fusion(%slice-done, %copy-done), kind=kOutput, calls=%fused_computation
+  %copy-start.1 = (bf16[256]{0:T(256)}, bf16[256]{0:T(256)S(1)}, u32[]{:S(2)}) copy-start(%fusion)
+  ROOT %copy-done.1 = bf16[256]{0:T(256)} copy-done(%copy-start.1)
+}
+"""
+
+
+def test_arrays_on_chip_move_nothing_and_async_copies_move_what_they_copy():
+  """Device-memory bytes only: the slice prefetched into VMEM is read once by its copy (its slice, not the whole
+  weight), the fusion reading VMEM operands into VMEM moves nothing, and the eviction writes its output back."""
+  comps, entry = hlo_cost.parse(ON_CHIP_HLO)
+  by_name = {k.name: k for k in hlo_cost.kernels_of(comps, entry)}
+  assert set(by_name) == {"slice-start", "copy-start", "fusion", "copy-start.1"}
+  assert (by_name["slice-start"].bytes_read, by_name["slice-start"].bytes_written) == (256 * 128 * 2, 0)
+  assert (by_name["copy-start"].bytes_read, by_name["copy-start"].bytes_written) == (128 * 2, 0)
+  assert (by_name["fusion"].bytes_read, by_name["fusion"].bytes_written) == (0, 0)
+  assert by_name["fusion"].flops == 2 * 256 * 128
+  assert (by_name["copy-start.1"].bytes_read, by_name["copy-start.1"].bytes_written) == (0, 256 * 2)
+  assert hlo_cost.array_bytes("(bf16[4]{0:T(256)S(1)}, f32[2]{0})") == 8
+  assert hlo_cost.array_bytes("(bf16[4]{0:T(256)S(1)}, f32[2]{0})", on_chip=True) == 16
