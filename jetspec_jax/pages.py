@@ -15,7 +15,8 @@ pages their next rows need, oldest request first and in order (a slot that does 
 smaller ones wait too, so the oldest is never starved); ``release`` returns a slot's pages; ``register`` keys the
 full prompt pages a slot has computed and ``share`` hands a newly admitted slot the cached pages of its prompt's
 longest keyed prefix (prefix caching: a page with a key is never written, only read). Invariant, per group:
-refs[page] is the number of slot table entries holding it. ``write`` scatters new rows into pages; ``gather`` is
+refs[page] is the number of slot table entries holding it. ``write`` puts new rows into pages and ``read`` reads
+a slot's rows back, both whole pages at a time; ``gather`` is
 the XLA attention path's contiguous view of the slots' first rows.
 
 Keys are the host's (``prefix_keys``): page i of a prompt is keyed by a 64-bit hash of the prompt's first (i + 1) * R
@@ -205,17 +206,22 @@ def scatter(pool: jax.Array, values: jax.Array, table: jax.Array, slot: jax.Arra
   return jax.vmap(one)(pool, values, _by_group(pool, table), slot, row)
 
 
-def take(pool: jax.Array, table: jax.Array, rows: jax.Array) -> jax.Array:
-  """Slot b's rows rows[b, n] -> [B, Hkv, N, Dh] (a row without a page reads page 0's: ignore it)."""
-  g, (b, n) = pool.shape[0], rows.shape
-  per = b // g
-  slot = jnp.broadcast_to(jnp.arange(per)[:, None], (per, n)).reshape(per * n)
+def read(pool: jax.Array, table: jax.Array, start: jax.Array, n: int) -> jax.Array:
+  """Slot b's rows start[b] .. start[b] + n - 1 of ``pool`` [G, Pg, Hkv, R, Dh] -> [B, Hkv, n, Dh], read as the
+  whole pages holding them (those ``write`` would write; a row without a page reads page 0's: ignore it). Picking
+  single rows out of tiled pages makes XLA:TPU copy the whole pool into another layout first."""
+  g, b, r = pool.shape[0], table.shape[0], pool.shape[3]
+  span = -(-(n + r - 1) // r)                                          # pages n rows from any offset can touch
+  index = start[:, None] // r + jnp.arange(span)[None, :]             # [B, span]: the slots' page indices
 
-  def one(pool_g, table_g, row_g):
-    page, at = _page(table_g, slot, row_g, pool_g.shape[2])
-    return pool_g[jnp.maximum(page, 0), :, at]                          # [S * N, Hkv, Dh]
-  got = jax.vmap(one)(pool, _by_group(pool, table), rows.reshape(g, per * n))
-  return got.reshape((b, n) + got.shape[2:]).transpose(0, 2, 1, 3)
+  def one(pool_g, table_g, index_g):
+    s, t = table_g.shape
+    page = table_g[jnp.arange(s)[:, None], jnp.clip(index_g, 0, t - 1)]
+    return pool_g[jnp.where((index_g < t) & (page >= 0), page, 0)]   # [S, span, Hkv, R, Dh]
+  got = jax.vmap(one)(pool, _by_group(pool, table), index.reshape((g, -1, span)))
+  got = got.reshape((b, span) + got.shape[3:]).transpose(0, 2, 1, 3, 4)
+  got = got.reshape(got.shape[:2] + (span * r, got.shape[-1]))        # [B, Hkv, span * R, Dh]
+  return jax.vmap(lambda x, o: jax.lax.dynamic_slice_in_dim(x, o, n, axis=1))(got, start % r)
 
 
 def write(pool: jax.Array, new: jax.Array, table: jax.Array, start: jax.Array) -> jax.Array:

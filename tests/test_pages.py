@@ -1,7 +1,7 @@
 """Paged cache storage (``jetspec_jax.pages``): the allocator counts every page's holders exactly, grants oldest first
 and in order, returns what it took, shares keyed prompt pages and takes cached ones last, least recently released
 first; rows written through a page table read back as the contiguous cache holds them, whatever order the pages
-were handed out in."""
+were handed out in; whole-page writes and reads equal row-by-row ones."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -109,6 +109,26 @@ def test_whole_page_writes_equal_row_writes_and_touch_no_other_page(n):
   values = new.transpose(0, 2, 1, 3).reshape(g, per * n, h, d)
   want = pages.scatter(pool, values, table, slot, rows)
   np.testing.assert_array_equal(np.asarray(jax.jit(pages.write)(pool, new, table, start)), np.asarray(want))
+
+
+@pytest.mark.parametrize("n", [1, 4, 16, 19])
+def test_whole_page_reads_return_each_slots_rows(n):
+  """``read`` (the whole pages holding a slot's rows start .. start + n - 1, then the rows) against those rows
+  picked one by one from the pages the table names: equal bit for bit, starts mid-page, on a boundary and near the
+  end of a slot's pages."""
+  rng = np.random.default_rng(n)
+  g, pg, h, r, d, per, t = 2, 12, 2, 8, 4, 2, 5
+  pool = jnp.asarray(rng.normal(size=(g, pg, h, r, d)), jnp.float32)
+  table = jnp.asarray(np.stack([rng.permutation(pg)[:per * t].reshape(per, t) for _ in range(g)]).reshape(g * per, t)
+                      .astype(np.int32))
+  start = jnp.asarray([0, 13, 8, t * r - n], jnp.int32)
+  got = np.asarray(jax.jit(pages.read, static_argnums=3)(pool, table, start, n))
+  pool_np, table_np = np.asarray(pool), np.asarray(table)
+  for b in range(g * per):
+    for j in range(n):
+      row = int(start[b]) + j
+      want = pool_np[b // per, table_np[b, row // r], :, row % r]
+      np.testing.assert_array_equal(got[b, :, j], want)
 
 
 def test_prefix_keys_name_the_tokens_before_each_page_end():

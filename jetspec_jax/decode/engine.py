@@ -828,7 +828,7 @@ def _commit(head_params, s: EngineState, slots: Slots, offer: Offer, batch: Batc
       head = draft_head.bind(p.head_cfg, head_params)
       table = s.pages.table
       cache = verify.compact_cache(cache, s.prefix_len, jnp.where(decoding[:, None], acc.path, jnp.arange(d + 1)),
-                                   table)
+                                   table, max(plan.nodes, d + 1))
       taps_dec, taps_lane = packed.split(verified.taps)
       path_taps = jnp.take_along_axis(packed.scatter(taps_dec), acc.path[:, :, None], axis=1)     # [B, D+1, F]
       draft_cache = head.append_context(offer.draft_cache, path_taps, s.prefix_len, table)

@@ -159,11 +159,14 @@ def accepted_tokens(tree: Tree, acc: Acceptance) -> tuple[jax.Array, jax.Array]:
   return new.astype(jnp.int32), acc.accepted + 1
 
 
-def compact_cache(cache: qwen3.KVCache, prefix_len: jax.Array, path: jax.Array, table: jax.Array) -> qwen3.KVCache:
-  """Move the accepted nodes' K/V (rows prefix_len + path[d]) to contiguous rows prefix_len + d of the caches' page
-  pools (page ``table`` [B, T], ``jetspec_jax.pages``)."""
-  rows = prefix_len[:, None] + path
-  move = lambda c: pages.write(c, pages.take(c, table, rows), table, prefix_len)
+def compact_cache(cache: qwen3.KVCache, prefix_len: jax.Array, path: jax.Array, table: jax.Array,
+                  window: int) -> qwen3.KVCache:
+  """Move the accepted nodes' K/V (rows prefix_len + path[d], path [B, D+1] < ``window``, static) to contiguous rows
+  prefix_len + d of the caches' page pools (page ``table`` [B, T], ``jetspec_jax.pages``). The window's pages are
+  read whole and only the pages of the path's new rows are written."""
+  def move(c):
+    near = pages.read(c, table, prefix_len, window)                            # [B, Hkv, window, Dh]
+    return pages.write(c, jax.vmap(lambda x, p: x[:, p])(near, path), table, prefix_len)
   return qwen3.KVCache(k=tuple(move(c) for c in cache.k), v=tuple(move(c) for c in cache.v))
 
 
