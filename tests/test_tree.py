@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jetspec_jax.decode.tree import TREE_METHODS, Tree, build_tree, tree_size
+from jetspec_jax.decode.tree import TREE_METHODS, Tree, build_tree, top_w, tree_size
 from jetspec_jax.errors import JetSpecError
 
 
@@ -291,3 +291,23 @@ def test_no_vocabulary_sort_in_the_compiled_tree(method):
   fn = jax.jit(functools.partial(build_tree, method=method, budget=16, width=4))
   hlo = fn.lower(jnp.zeros((1,), jnp.int32), jnp.zeros((1, 7, 4096), jnp.float32)).compile().as_text()
   assert not [line for line in hlo.splitlines() if " sort(" in line and "4096" in line]
+
+
+@pytest.mark.parametrize("vocab", [151936, 8192])
+@pytest.mark.parametrize("width", [1, 7, 40])
+def test_top_w_over_vocabulary_blocks_equals_top_k(vocab, width):
+  """``top_w`` (the best blocks' maxima, then their tokens) against ``lax.top_k`` over whole rows: equal values and
+  ids, with ties inside a block, across blocks, a row of one value, a row of -inf but a few, and bfloat16."""
+  rng = np.random.default_rng(vocab + width)
+  x = rng.normal(size=(3, 4, vocab)).astype(np.float32)
+  x[0, 0, 1000:1010] = 9.0
+  x[0, 0, vocab - 5] = 9.0
+  x[0, 1, ::997] = 5.0
+  x[1, 2] = 1.0
+  x[2, 3] = -np.inf
+  x[2, 3, [3, 700, vocab - 1]] = [0.5, 0.5, 2.0]
+  for xs in (jnp.asarray(x), jnp.asarray(x, jnp.bfloat16)):
+    want_v, want_i = jax.lax.top_k(xs, width)
+    got_v, got_i = jax.jit(top_w, static_argnums=1)(xs, width)
+    np.testing.assert_array_equal(np.asarray(got_i), np.asarray(want_i))
+    np.testing.assert_array_equal(np.asarray(got_v, np.float32), np.asarray(want_v, np.float32))

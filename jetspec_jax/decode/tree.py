@@ -108,6 +108,28 @@ def tree_size(method: str, budget: int, depth: int) -> int:
   return budget
 
 
+VOCAB_BLOCK = 128       # the top-W of a large vocabulary goes through the maxima of blocks of this many tokens
+
+
+def top_w(logits: jax.Array, width: int) -> tuple[jax.Array, jax.Array]:
+  """``jax.lax.top_k(logits, width)`` over the last axis ([..., V] -> values, int32 ids [..., W]), ties to the lower
+  id, without sorting whole rows when V is a multiple of ``VOCAB_BLOCK`` over 32 blocks: the W blocks with the
+  largest maxima (ties to the lower block) hold the W best tokens (each token outside them is outranked by those
+  W maxima), so a top-W of those blocks' tokens is exact. XLA:TPU lowers a top_k to a sort of every row: over
+  [64, 15, 151936] draft logits that is a sort of 146 M floats and two copies of the sorted arrays per round."""
+  vocab, lead = logits.shape[-1], logits.shape[:-1]
+  if vocab % VOCAB_BLOCK or vocab <= 32 * VOCAB_BLOCK or width > vocab // VOCAB_BLOCK:
+    values, ids = jax.lax.top_k(logits, width)
+    return values, ids.astype(jnp.int32)
+  window = (1,) * len(lead) + (VOCAB_BLOCK,)
+  lowest = jnp.array(-jnp.inf, logits.dtype)
+  maxima = jax.lax.reduce_window(logits, lowest, jax.lax.max, window, window, "VALID")           # [..., V / 128]
+  blocks = jnp.sort(jax.lax.top_k(maxima, width)[1], axis=-1)         # token order, so ties still go to lower ids
+  ids = (blocks[..., None] * VOCAB_BLOCK + jnp.arange(VOCAB_BLOCK, dtype=jnp.int32)).reshape(lead + (-1,))
+  values, at = jax.lax.top_k(jnp.take_along_axis(logits, ids, axis=-1), width)
+  return values, jnp.take_along_axis(ids, at, axis=-1).astype(jnp.int32)
+
+
 def _chain(anchor: jax.Array, depth_logits: jax.Array, depth_tokens: jax.Array | None = None) -> Tree:
   """Chain of the per-depth argmax tokens (or depth_tokens[:, :, 0]): N = D + 1 nodes, node d at depth d."""
   batch, depth, _ = depth_logits.shape
@@ -115,8 +137,8 @@ def _chain(anchor: jax.Array, depth_logits: jax.Array, depth_tokens: jax.Array |
   if depth_tokens is not None:
     best = depth_tokens[:, :, 0].astype(jnp.int32)
   else:
-    # top_k(., 1) is argmax with ties to the lower token id, about 3x faster on CPU at V = 32k.
-    best = jax.lax.top_k(depth_logits, 1)[1][..., 0].astype(jnp.int32)       # [B, D]
+    # argmax with ties to the lower token id; top_k(., 1) is about 3x faster than argmax on CPU at V = 32k.
+    best = top_w(depth_logits, 1)[1][..., 0]                                  # [B, D]
   logits = depth_logits.astype(jnp.float32)
   best_logp = (jnp.take_along_axis(logits, best[..., None], axis=-1)
                - jax.nn.logsumexp(logits, axis=-1, keepdims=True))           # [B, D, 1]
@@ -344,7 +366,7 @@ def build_tree(anchor: jax.Array, depth_logits: jax.Array, *, method: str, budge
   # those of the logits, and a log-prob is its logit minus the row's log-sum-exp, which is shifted by the
   # top-1 logit (the row's max: no max pass over the vocabulary, so two reads of the logits in all).
   logits = depth_logits.astype(jnp.float32)
-  top_logit, top_tok = jax.lax.top_k(logits, width)                      # [B, D, W]
+  top_logit, top_tok = top_w(logits, width)                              # [B, D, W]
   peak = jnp.max(top_logit, axis=-1, keepdims=True)      # top-1 (a max over W, not a slice: see _fanout_caps)
   lse = peak + jnp.log(jnp.sum(jnp.exp(logits - peak), axis=-1, keepdims=True))   # [B, D, 1]
   top_lp = top_logit - lse
