@@ -30,8 +30,10 @@ from XLA:GPU (and upcasts some bf16 dots to float32), so the temporaries are an 
 docs/gpu.md). Needs ``pip install "jax[cuda12]==<jax's version>" absl-py`` (about 5.5 GB).
 ``--target v5e-8 | v6e-8 | v5p-8`` compiles them for a TPU slice (8, 8 and 4 chips) with libtpu, no TPU attached
 (``scripts/setup_tpu.sh``'s venv): per-chip memory against the chip's HBM (16, 32, 95 GB; headroom 1/8 of it), and
-from XLA:TPU's ``cost_analysis()`` per chip ``gb_accessed`` and ``chip_tflop``, ``model_ms`` = max(bytes / HBM
-bandwidth, FLOPs / bf16 peak) (a model, ``hlo_cost.TPU_DEVICES``), ``vs_ar``: a round's bytes against the AR
+from XLA:TPU's ``cost_analysis()`` per chip ``gb_accessed`` (every op's operands and outputs, VMEM included) and
+``chip_tflop``; ``hbm_gb`` per chip, the device-memory bytes read and written by the program's ops from its optimised
+HLO (``hlo_cost``: arrays in VMEM or SMEM move nothing; each while body counted once); ``model_ms`` = max(HBM bytes /
+HBM bandwidth, FLOPs / bf16 peak) (a model, ``hlo_cost.TPU_DEVICES``); ``vs_ar``: a round's HBM bytes against the AR
 round's at its batch. Each engine row is then ONE round compiled alone (``round_program``: decode rows without
 prefill lanes, the regen row with them), the attention ``tpu`` (the Mosaic TPU kernel) unless ``--attention``
 says otherwise, and the MoE dispatch ``gather`` (``auto`` on a TPU).
@@ -97,8 +99,8 @@ COLUMNS = ("config", "program", "mesh", "args_gb", "out_gb", "alias_gb", "temp_g
            "hlo_vs_analytic", "kernels", "while_loops", "conditionals", "compile_s", "fits")
 # A TPU target's columns: its compiler's cost_analysis() per chip (bytes accessed, FLOPs), the roofline time those
 # give on the chip, and a round's bytes against the AR step's at the same batch.
-TPU_COLUMNS = ("config", "program", "mesh", "args_gb", "temp_gb", "peak_gb", "gb_accessed", "chip_tflop", "model_ms",
-               "vs_ar", "while_loops", "conditionals", "compile_s", "fits")
+TPU_COLUMNS = ("config", "program", "mesh", "args_gb", "temp_gb", "peak_gb", "gb_accessed", "hbm_gb", "chip_tflop",
+               "model_ms", "vs_ar", "while_loops", "conditionals", "compile_s", "fits")
 CONCURRENCY = ("usable_gb", "kv_gb", "kv_pages", "prompt_mean", "reply_mean", "contiguous_requests", "paged_requests",
                "paged_vs_contiguous")
 
@@ -139,9 +141,14 @@ def flops_row(compiled, analytic: float, devices: int, unknown_trips: int | None
   tpu = next(iter(jax.tree.leaves(compiled.input_shardings)[0].device_set)).platform == "tpu"
   hlo = None if tpu else hlo_dot_flops(text, unknown_trips, alternatives=ROUND_BODIES) * devices
   report = loop_report(text, per_iteration=unknown_trips is not None)
+  hbm = None
+  if tpu:
+    comps, entry = hlo_cost.parse(text)
+    t = hlo_cost.totals(hlo_cost.kernels_of(comps, entry))
+    hbm = (t["bytes_read"] + t["bytes_written"]) / GB
   return {"xla_tflop": float(cost.get("flops", 0.0)) * devices / 1e12 if cost else None,
           "gb_accessed": float(cost["bytes accessed"]) / GB if cost and "bytes accessed" in cost else None,
-          "chip_tflop": float(cost.get("flops", 0.0)) / 1e12 if cost else None,
+          "chip_tflop": float(cost.get("flops", 0.0)) / 1e12 if cost else None, "hbm_gb": hbm,
           "hlo_tflop": None if hlo is None else hlo / 1e12, "analytic_tflop": analytic / 1e12,
           "hlo_vs_analytic": None if hlo is None else hlo / analytic,
           "kernels": report["kernels"], "while_loops": report["while_loops"], "conditionals": report["conditionals"],
@@ -421,15 +428,15 @@ def too_large(name: str, kind: str, message: str) -> dict:
 
 
 def tpu_costs(rows: list[dict], chip: hlo_cost.Device) -> None:
-  """Add to each row of a TPU target its roofline time on ``chip`` (``model_ms``, from its per-chip bytes accessed
-  and FLOPs) and, for an engine round, its bytes against the AR round's of the same config and batch (``vs_ar``)."""
-  ar = {(r["config"], r["batch"]): r["gb_accessed"] for r in rows if r.get("ar")}
+  """Add to each row of a TPU target its roofline time on ``chip`` (``model_ms``, from its per-chip HBM bytes and
+  FLOPs) and, for an engine round, its HBM bytes against the AR round's of the same config and batch (``vs_ar``)."""
+  ar = {(r["config"], r["batch"]): r["hbm_gb"] for r in rows if r.get("ar")}
   for r in rows:
-    if r.get("gb_accessed") is None:
+    if r.get("hbm_gb") is None:
       continue
-    r["model_ms"] = 1e3 * max(r["gb_accessed"] * GB / chip.bandwidth, r["chip_tflop"] * 1e12 / chip.peak)
+    r["model_ms"] = 1e3 * max(r["hbm_gb"] * GB / chip.bandwidth, r["chip_tflop"] * 1e12 / chip.peak)
     base = ar.get((r["config"], r.get("batch")))
-    r["vs_ar"] = r["gb_accessed"] / base if base else None
+    r["vs_ar"] = r["hbm_gb"] / base if base else None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -581,8 +588,9 @@ def main(argv: list[str] | None = None) -> int:
       print(f"{row['config']} {row['program']}: control flow per iteration from {', '.join(row['control_flow'])}")
   compiler = {"h200": "XLA:GPU for H200 (deviceless)", "cpu": "XLA:CPU fusion and scheduling differ from XLA:GPU: "
               "temporaries are an estimate"}.get(args.target, f"XLA:TPU for {args.target} (deviceless libtpu); "
-                                                  "gb_accessed / chip_tflop: cost_analysis() per chip; model_ms: max("
-                                                  "bytes / HBM bandwidth, FLOPs / bf16 peak), a model")
+                                                  "gb_accessed / chip_tflop: cost_analysis() per chip; hbm_gb: device-"
+                                                  "memory bytes per chip from the HLO; model_ms: max(HBM bytes / HBM "
+                                                  "bandwidth, FLOPs / bf16 peak), a model")
   result = {"benchmark": NAME, "args": vars(args), "machine": machine_info(), "jax": jax.__version__, "rows": rows,
             "details": details,
             "notes": ["per-device numbers of the SPMD program; peak_gb = args + out - alias + temp", compiler,

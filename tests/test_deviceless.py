@@ -292,7 +292,8 @@ def test_moe_engine_rounds_for_a_v5p_tpu_slice_keep_no_control_flow(sampling):
 @needs_libtpu
 def test_aot_memory_for_a_tpu_slice_reports_memory_and_cost_per_chip(tmp_path):
   """``bench/aot_memory.py --target v6e-8``: the tiny config's train step on its mesh over 8 v6e chips, per-chip
-  memory against the chip's HBM, bytes and FLOPs from cost_analysis, a roofline time."""
+  memory against the chip's HBM, bytes and FLOPs from cost_analysis, its HBM bytes from the HLO (fewer: VMEM's not
+  counted), a roofline time."""
   import json
   out = tmp_path / "aot.json"
   assert aot_memory.main(["--target", "v6e-8", "--configs", "tiny", "--no-decode", "--out", str(out)]) == 0
@@ -300,3 +301,4 @@ def test_aot_memory_for_a_tpu_slice_reports_memory_and_cost_per_chip(tmp_path):
   (row,) = result["rows"]
   assert result["args"]["budget_gb"] == 32 and row["mesh"] == "8x1" and row["fits"], row
   assert row["gb_accessed"] > row["args_gb"] > 0 and row["chip_tflop"] > 0 and row["model_ms"] > 0, row
+  assert 0 < row["hbm_gb"] < row["gb_accessed"], row
