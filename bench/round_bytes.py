@@ -129,7 +129,7 @@ def tpu_case(args, name: str, batch: int, budget: int | None, say) -> dict:
   got = [tpu_program_totals(name, n, batch, budget, args.context, args.target, args.moe_dispatch,
                             args.attention)
          for n in counts]
-  hbm = [{k: hlo_cost.totals(ks)[k] for k in ("kernels", "bytes_read", "bytes_written")} for _, ks, _ in got]
+  hbm = [{k: t[k] for k in ("kernels", "bytes_read", "bytes_written")} for t in (hlo_cost.totals(ks) for _, ks, _ in got)]
   if args.full_layers:
     totals, hbm, by_source = got[0][0], hbm[0], groups(got[0][1])
   else:

@@ -308,6 +308,8 @@ def test_top_w_over_vocabulary_blocks_equals_top_k(vocab, width):
   x[2, 3, [3, 700, vocab - 1]] = [0.5, 0.5, 2.0]
   for xs in (jnp.asarray(x), jnp.asarray(x, jnp.bfloat16)):
     want_v, want_i = jax.lax.top_k(xs, width)
-    got_v, got_i = jax.jit(top_w, static_argnums=1)(xs, width)
+    fn = jax.jit(top_w, static_argnums=1)
+    assert "reduce-window" in fn.lower(xs, width).compile().as_text()         # the blocks' path, not lax.top_k's
+    got_v, got_i = fn(xs, width)
     np.testing.assert_array_equal(np.asarray(got_i), np.asarray(want_i))
     np.testing.assert_array_equal(np.asarray(got_v, np.float32), np.asarray(want_v, np.float32))
