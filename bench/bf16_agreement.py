@@ -12,7 +12,7 @@ with a random head (tau about 1: every round's correction token comes from the v
 row, so it compares that row against the AR step). Attention: XLA, and with ``--interpret`` the Pallas
 kernel in interpret mode too (slow; a few prompts).
 
-  python bench/bf16_agreement.py --workdir ~/.cache/jetspec-jax [--prompts 32] [--interpret 4]
+  python bench/bf16_agreement.py --workdir ~/.cache/jetspec-jax [--prompts 32] [--interpret 4] [--modes chain tree_b64]
 """
 from __future__ import annotations
 
@@ -32,6 +32,10 @@ from jetspec_jax.models import draft_head, qwen3
 from jetspec_jax.tokenizer import load_tokenizer
 
 NAME = "bf16_agreement"
+DEMO_TREES = {"chain": lambda depth: TreeConfig("chain", 1, 1, depth),          # mode -> its tree at a head depth
+              "best_b16": lambda depth: TreeConfig("best_nodes", 16, 4, depth),
+              "tree_b64": lambda depth: TreeConfig("accum_logp", 64, 4, depth)}
+WIDE_MODES = ("chain", "tree_b64")    # the random 8B-width target's (its random head: tau about 1)
 
 
 def top2_gap(cfg, params32, prompt: list[int], generated: list[int], position: int) -> float:
@@ -67,16 +71,17 @@ def main(argv=None) -> int:
   p.add_argument("--wide-layers", type=int, default=2, help="layers of the random 8B-width target")
   p.add_argument("--interpret", type=int, default=0, help="prompts also run with the Pallas kernel (interpret)")
   p.add_argument("--quick", action="store_true", help="the work directory is a `jetspec-jax demo --quick` one")
+  p.add_argument("--modes", nargs="+", choices=list(DEMO_TREES), default=list(DEMO_TREES),
+                  help="speculative modes to compare (default all)")
   p.add_argument("--out", help="JSON path (default bench/results/bf16_agreement.json)")
   a = p.parse_args(argv)
+  modes = a.modes
   s = demo.QUICK if a.quick else demo.DemoSettings()
   tokenizer = load_tokenizer(os.path.join(a.workdir, "tokenizer"))
   cfg, params, _ = convert.load_target(os.path.join(a.workdir, "target_ckpt"), jnp.float32)
   head_cfg, head = convert.load_head(os.path.join(a.workdir, "head_run", "head_hf"), jnp.float32, target_cfg=cfg)
   prompts = demo.bench_prompts(s, "humaneval", tokenizer)[:a.prompts]
-  trees = [("chain", TreeConfig("chain", 1, 1, head_cfg.depth)),
-           ("best_b16", TreeConfig("best_nodes", 16, 4, head_cfg.depth)),
-           ("tree_b64", TreeConfig("accum_logp", 64, 4, head_cfg.depth))]
+  trees = [(m, DEMO_TREES[m](head_cfg.depth)) for m in modes]
   rows = compare("demo", cfg, params, head_cfg, head, prompts, a.max_new_tokens, trees, "xla")
   if a.interpret:
     rows += compare("demo", cfg, params, head_cfg, head, prompts[:a.interpret], a.max_new_tokens, trees,
@@ -89,7 +94,7 @@ def main(argv=None) -> int:
   whead = draft_head.init_head(whead_cfg, jax.random.key(1))
   wprompts = [list(map(int, r)) for r in np.random.default_rng(0).integers(1, 1024, (8, 32))]
   rows += compare("random 8B width", wide, wparams, whead_cfg, whead, wprompts, a.max_new_tokens,
-                  [("chain", TreeConfig("chain", 1, 1, 7)), ("tree_b64", TreeConfig("accum_logp", 64, 4, 7))], "xla")
+                  [(m, DEMO_TREES[m](7)) for m in modes if m in WIDE_MODES], "xla")
   print(bench.format_table(rows))
   for path in bench.save_results({"machine": bench.machine_info(), "args": vars(a), "rows": rows}, a.out, NAME):
     print(f"wrote {path}")

@@ -3,7 +3,7 @@ language model that this project trains itself, on CPU.
 
 Stages (each cached under the work directory and skipped when its output exists under the same key:
 its settings, its inputs, its code and its libraries, see ``jetspec_jax.stages``; a rerun with
-everything cached takes well under a minute):
+everything cached runs the bench alone):
   1. tokenizer   byte-level BPE with a Qwen3-style chat template, trained on ShareGPT text
   2. target      a few-million-parameter Qwen3 pretrained on ShareGPT conversations with the
                  project's jitted trainer; a normal Hugging Face directory (checked against
@@ -223,17 +223,15 @@ BUILDERS = {"tokenizer": build_tokenizer, "target_hf": build_target, "target_ckp
             "regenerated": build_regenerated, "head_run": build_head}
 
 
-def run(workdir: str | None = None, settings: DemoSettings = DemoSettings(), quiet: bool = False) -> dict:
-  """Run (or reuse) every stage; returns the measured results (also written to demo.json)."""
-  from jetspec_jax.tokenizer import load_tokenizer
+def build_stages(workdir: str | None = None, settings: DemoSettings = DemoSettings(), quiet: bool = False) -> dict:
+  """Build (or reuse) stages 1-5, each kept under its key; returns {"workdir", "stages": each stage's info,
+  "seconds"}. Nothing is measured here: ``run`` adds the bench."""
   s = settings
   root = os.path.abspath(workdir or cache.default_root())
   os.makedirs(root, exist_ok=True)
   say = (lambda *a: None) if quiet else (lambda *a: print(*a, flush=True))
   t_start = time.perf_counter()
-  res: dict = {"workdir": root, "backend": jax.default_backend(), "machine": {**bench.machine_info(), **cpu_kind()},
-               "settings": dataclasses.asdict(s), "stages": {}}
-
+  res: dict = {"workdir": root, "stages": {}}
   for name, parts in stage_key_parts(STAGES, s).items():
     st = Stage(root, name, parts, STAGE_SCRATCH.get(name, ()))
     info = st.done()
@@ -244,6 +242,20 @@ def run(workdir: str | None = None, settings: DemoSettings = DemoSettings(), qui
       st.begin()
       info = st.finish(BUILDERS[name](s, root, st.dir, not quiet))
     res["stages"][RESULT_NAMES[name]] = info
+  res["seconds"] = time.perf_counter() - t_start
+  return res
+
+
+def run(workdir: str | None = None, settings: DemoSettings = DemoSettings(), quiet: bool = False) -> dict:
+  """Build (or reuse) every stage, then the bench; returns the measured results (also written to demo.json)."""
+  from jetspec_jax.tokenizer import load_tokenizer
+  s = settings
+  say = (lambda *a: None) if quiet else (lambda *a: print(*a, flush=True))
+  t_start = time.perf_counter()
+  built = build_stages(workdir, s, quiet)
+  root = built["workdir"]
+  res: dict = {"workdir": root, "backend": jax.default_backend(), "machine": {**bench.machine_info(), **cpu_kind()},
+               "settings": dataclasses.asdict(s), "stages": built["stages"]}
   tokenizer = load_tokenizer(os.path.join(root, "tokenizer"))
   cfg, params, _ = convert.load_target(os.path.join(root, "target_ckpt"), jnp.float32)
   head_dir = res["stages"]["train_head"]["head_dir"]
