@@ -95,7 +95,7 @@ def test_two_hosts_run_the_8b_mesh_and_follow_one_host(world, tmp_path):
                "--config.eval.every=3", "--config.log_every=1", "--config.train.steps=3",
                f"--config.mesh.data={mesh.data}", f"--config.mesh.model={mesh.model}"]
   env = dict(os.environ, PYTHONPATH=REPO, JETSPEC_KILL_GRACE="5")
-  env.pop("XLA_FLAGS", None)
+  # launch/local.sh replaces XLA_FLAGS' device count per process and keeps the rest (scripts/test.sh's -O0)
 
   def launch(processes, devices, out, *extra):
     cmd = ["bash", os.path.join(REPO, "launch", "local.sh"), "-n", str(processes), "--cpu-devices", str(devices),
