@@ -75,13 +75,12 @@ def main(argv=None) -> int:
                   help="speculative modes to compare (default all)")
   p.add_argument("--out", help="JSON path (default bench/results/bf16_agreement.json)")
   a = p.parse_args(argv)
-  modes = a.modes
   s = demo.QUICK if a.quick else demo.DemoSettings()
   tokenizer = load_tokenizer(os.path.join(a.workdir, "tokenizer"))
   cfg, params, _ = convert.load_target(os.path.join(a.workdir, "target_ckpt"), jnp.float32)
   head_cfg, head = convert.load_head(os.path.join(a.workdir, "head_run", "head_hf"), jnp.float32, target_cfg=cfg)
   prompts = demo.bench_prompts(s, "humaneval", tokenizer)[:a.prompts]
-  trees = [(m, DEMO_TREES[m](head_cfg.depth)) for m in modes]
+  trees = [(m, DEMO_TREES[m](head_cfg.depth)) for m in a.modes]
   rows = compare("demo", cfg, params, head_cfg, head, prompts, a.max_new_tokens, trees, "xla")
   if a.interpret:
     rows += compare("demo", cfg, params, head_cfg, head, prompts[:a.interpret], a.max_new_tokens, trees,
@@ -94,7 +93,7 @@ def main(argv=None) -> int:
   whead = draft_head.init_head(whead_cfg, jax.random.key(1))
   wprompts = [list(map(int, r)) for r in np.random.default_rng(0).integers(1, 1024, (8, 32))]
   rows += compare("random 8B width", wide, wparams, whead_cfg, whead, wprompts, a.max_new_tokens,
-                  [(m, DEMO_TREES[m](7)) for m in modes if m in WIDE_MODES], "xla")
+                  [(m, DEMO_TREES[m](7)) for m in a.modes if m in WIDE_MODES], "xla")
   print(bench.format_table(rows))
   for path in bench.save_results({"machine": bench.machine_info(), "args": vars(a), "rows": rows}, a.out, NAME):
     print(f"wrote {path}")
