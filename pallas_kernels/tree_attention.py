@@ -28,7 +28,7 @@ programs, too few to pull the prefix through HBM at full bandwidth, so the prefi
 ``num_splits`` contiguous shares of whole key blocks, sized at run time from prefix_len[b] so that
 the splits do equal work, the last one's tree keys counted (``split_blocks``). With
 more than one split every program writes its unnormalised partial (acc, running max m, running sum
-l) in float32, and ``combine_splits`` (XLA) merges them: out = sum_s 2^(m_s - m) acc_s /
+l) in float32, and ``splits.merge_splits`` (XLA, one fusion) merges them: out = sum_s 2^(m_s - m) acc_s /
 sum_s 2^(m_s - m) l_s with m = max_s m_s. One split writes the normalised output directly.
 
 Launch configuration (tile sizes, warps, stages, splits): from a tuning table by the problem's tile
@@ -52,6 +52,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.errors import KernelError, check_heads, check_problem
 from pallas_kernels.paging import check_paged, flat_pages
+from pallas_kernels.splits import merge_splits
 from pallas_kernels.tuning import DEFAULT_TUNING, KernelTuning, LaunchConfig
 
 SUPPORTED_HEAD_DIMS = (64, 128)
@@ -280,15 +281,6 @@ def _kernel(prefix_ref, q_ref, k_ref, v_ref, words_ref, *refs, shapes: LaunchSha
     plgpu.store(l_ref.at[node, head], l, mask=stored)
 
 
-def combine_splits(acc: jax.Array, m: jax.Array, l: jax.Array, dtype) -> jax.Array:
-  """Merge per-split partials: acc [B, P, T, Hq, Dh], m and l [B, P, T, Hq] (log2 domain, float32;
-  a split that saw no key has m = -inf and l = 0) -> attention [B, T, Hq, Dh] in ``dtype``."""
-  m_max = jnp.max(m, axis=1, keepdims=True)            # finite: the last split saw the diagonal
-  weight = jnp.where(m == -jnp.inf, 0.0, jnp.exp2(m - m_max))
-  num = jnp.sum(weight[..., None] * acc, axis=1)
-  return (num / jnp.sum(weight * l, axis=1)[..., None]).astype(dtype)
-
-
 def resolve_config(rows: int, tuning: KernelTuning | None = None, **overrides) -> LaunchConfig:
   """The launch configuration of a problem with ``rows`` tile rows (group x tree nodes): the tuning
   table's (default: ``DEFAULT_TUNING``), with every override that is not None applied."""
@@ -375,4 +367,4 @@ def _launch(q, k_cache, v_cache, prefix_len, block_mask, *, table, shapes: Launc
       debug=debug,
       name="tree_attention",
   )(prefix_len.astype(jnp.int32), q, k_cache, v_cache, pack_block_mask(block_mask, shapes.mask_words), *tables)
-  return out if shapes.num_splits == 1 else combine_splits(*out, q.dtype)
+  return out if shapes.num_splits == 1 else merge_splits(*out, axis=1, dtype=q.dtype)

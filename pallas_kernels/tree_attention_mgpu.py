@@ -41,7 +41,7 @@ Prefix splits (flash-decoding). A small tree at batch 1 has only Hkv x row tiles
 few to pull the cache through HBM at full bandwidth, so each row's key blocks are cut into
 ``num_splits`` contiguous shares sized at run time from prefix_len[b] (``split_blocks``). With
 more than one split every program writes its unnormalised float32 partial (acc, running max m,
-running sum l, log2 domain) and XLA merges them (``combine_splits``); one split writes the
+running sum l, log2 domain) and XLA merges them (``splits.merge_splits``); one split writes the
 normalised output. The grid is (row tiles, splits, kv heads, batch), row tiles fastest, so the
 programs that read the same keys run together and share them through L2.
 
@@ -69,6 +69,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.errors import KernelError, check_heads, check_problem
 from pallas_kernels.paging import check_paged, flat_pages
+from pallas_kernels.splits import merge_splits
 
 SUPPORTED_HEAD_DIMS = (64, 128)
 SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16)
@@ -329,16 +330,6 @@ def _scratch(launch: MosaicLaunch, dtype):
           plgpu.Barrier(num_arrivals=launch.copies, num_barriers=launch.num_stages)]
 
 
-def combine_splits(acc: jax.Array, m: jax.Array, l: jax.Array, dtype) -> jax.Array:
-  """Merge per-split partials over axis 2: acc [B, Hkv, P, R, Dh], m and l [B, Hkv, P, R] (log2 domain,
-  float32; a split that saw no key has m = -inf, l = 0) -> [B, Hkv, R, Dh] in ``dtype``."""
-  m_max = jnp.max(m, axis=2, keepdims=True)
-  weight = jnp.where(m == -jnp.inf, 0.0, jnp.exp2(m - jnp.where(m_max == -jnp.inf, 0.0, m_max)))
-  den = jnp.sum(weight * l, axis=2)
-  num = jnp.sum(weight[..., None] * acc, axis=2)
-  return (num / jnp.where(den == 0.0, 1.0, den)[..., None]).astype(dtype)
-
-
 def tree_attention(q, k_cache, v_cache, prefix_len, block_mask, **launch):
   """Tree-masked attention with the Mosaic GPU kernel over a contiguous cache (shapes and design in the module
   docstring; ``launch``: ``_attend``'s keywords). S must be a multiple of ``CACHE_ROWS_MULTIPLE``."""
@@ -423,6 +414,6 @@ def _launch(q, k_cache, v_cache, prefix_len, block_mask, table, *, launch: Mosai
       interpret=interpret,
   )(prefix_len.astype(jnp.int32), rows_q, k_cache, v_cache, words, *(() if table is None else (table,)))
   if launch.num_splits > 1:
-    out = combine_splits(*out, q.dtype)
+    out = merge_splits(*out, axis=2, dtype=q.dtype)
   out = out[:, :, :num_q * group].reshape(batch, num_kv_heads, num_q, group, head_dim)
   return out.transpose(0, 2, 1, 3, 4).reshape(batch, num_q, num_q_heads, head_dim)
