@@ -9,6 +9,7 @@ import shutil
 import uuid
 
 import jax
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 from jetspec_jax.errors import JetSpecError
@@ -51,6 +52,21 @@ def atomic_directory(out_dir: str, overwrite: bool = False):
 
 # Names that only the flat layout before the NNX model used (now ``final_norm.weight`` and ``layers.0.attn.q_proj``).
 LEGACY_NAMES = ("final_norm", "layers.0.q_proj")
+# Weights an earlier layout stored in parts: {name suffix: (the parts' suffixes, the axis they are stacked on)}.
+# A dense MLP's gate and up [H, I] are now one ``mlp.gate_up`` [H, 2, I]; ``restore_params`` stacks the parts.
+STACKED_PARTS = {"mlp.gate_up": (("mlp.gate", "mlp.up"), 1)}
+
+
+def _parts_of(specs: dict[str, ParamSpec], stored) -> dict[str, tuple[tuple[str, ...], int]]:
+  """{declared name: (its stored parts' names, stacking axis)} for the weights ``stored`` holds in parts."""
+  out = {}
+  for name in specs:
+    for suffix, (parts, axis) in STACKED_PARTS.items():
+      if name.endswith(suffix) and name not in stored:
+        names = tuple(name[:-len(suffix)] + p for p in parts)
+        if all(n in stored for n in names):
+          out[name] = (names, axis)
+  return out
 
 
 def save_params(path: str, params: dict[str, jax.Array]) -> None:
@@ -79,21 +95,36 @@ def restore_params(path: str, specs: dict[str, ParamSpec], dtype, mesh=None) -> 
   if any(name in stored for name in LEGACY_NAMES) and not any(name in specs for name in LEGACY_NAMES):
     raise JetSpecError(f"checkpoint {path} was written by an older JetSpec-JAX (weights named before the Flax NNX "
                        f"model); re-run `jetspec-jax convert` on its Hugging Face directory")
-  missing = sorted(set(specs) - set(stored))
-  extra = sorted(set(stored) - set(specs))
+  parts = _parts_of(specs, stored)
+  held = (set(stored) - {n for names, _ in parts.values() for n in names}) | set(parts)
+  missing = sorted(set(specs) - held)
+  extra = sorted(held - set(specs))
   if missing or extra:
     what = f"is missing {missing[0]}" if missing else f"has an unexpected weight {extra[0]}"
     raise JetSpecError(f"checkpoint {path} does not match its config: it {what} "
                        f"({len(missing)} missing, {len(extra)} unexpected)")
+  # What to read: every declared weight, or for one stored in parts its parts (the stacking axis dropped).
+  wanted = {}
   for name, spec in specs.items():
+    if name in parts:
+      names, axis = parts[name]
+      drop = lambda t: t[:axis] + t[axis + 1:]
+      wanted.update({n: ParamSpec(drop(spec.shape), drop(spec.axes)) for n in names})
+    else:
+      wanted[name] = spec
+  for name, spec in wanted.items():
     if tuple(stored[name].shape) != spec.shape:
       raise JetSpecError(f"checkpoint {path} does not match its config: {name} has shape "
                          f"{tuple(stored[name].shape)}, the config implies {spec.shape}")
-  target = {name: jax.ShapeDtypeStruct(spec.shape, dtype or stored[name].dtype,
-                                       sharding=named_sharding(spec.axes, spec.shape, mesh)
-                                       or jax.sharding.SingleDeviceSharding(jax.devices()[0]))
-            for name, spec in specs.items()}
-  return checkpointer.restore(path, target)
+  sharding = lambda spec: (named_sharding(spec.axes, spec.shape, mesh)
+                           or jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+  target = {name: jax.ShapeDtypeStruct(spec.shape, dtype or stored[name].dtype, sharding=sharding(spec))
+            for name, spec in wanted.items()}
+  out = checkpointer.restore(path, target)
+  for name, (names, axis) in parts.items():
+    stack = jax.jit(lambda *xs, axis=axis: jnp.stack(xs, axis=axis), out_shardings=sharding(specs[name]))
+    out[name] = stack(*(out.pop(n) for n in names))
+  return out
 
 
 class CheckpointStore:
@@ -124,10 +155,10 @@ class CheckpointStore:
   def restore(self, step: int, abstract_state):
     """(state like ``abstract_state``, whose leaves are ShapeDtypeStructs with shardings; meta)."""
     stored = self.manager.item_metadata(step)["state"].tree.get("params", {})
-    if any(name in stored for name in LEGACY_NAMES):
+    declared = abstract_state["params"] if isinstance(abstract_state, dict) else getattr(abstract_state, "params", {})
+    if any(name in stored for name in LEGACY_NAMES) or _parts_of(declared, stored):
       raise JetSpecError(f"the training checkpoints in {self.directory} were written by an older JetSpec-JAX "
-                         f"(weights named before the Flax NNX model) and cannot be resumed; train into a new "
-                         f"output directory")
+                         f"(an earlier weight layout) and cannot be resumed; train into a new output directory")
     out = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state),
                                                              meta=ocp.args.JsonRestore()))
     return out["state"], out["meta"]

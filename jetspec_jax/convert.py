@@ -87,8 +87,15 @@ def attention_mappings(pre: str, hf: str, num_heads: int, num_kv: int, head_dim:
           _identity(pre + "post_attn_norm.weight", hf + "post_attention_layernorm.weight")]
 
 
+def _gate_up(name, hf):
+  """HF gate_proj and up_proj [I, H] <-> one [H, 2, I] (``layers.MLP``)."""
+  return Mapping(name, (hf + "gate_proj.weight", hf + "up_proj.weight"),
+                 lambda t: np.ascontiguousarray(np.stack([t[0].T, t[1].T], axis=1)),
+                 lambda a: [np.ascontiguousarray(a[:, 0].T), np.ascontiguousarray(a[:, 1].T)])
+
+
 def dense_mlp_mappings(pre: str, hf: str) -> list[Mapping]:
-  return [_transposed(pre + f"mlp.{p}", hf + f"mlp.{p}_proj.weight") for p in ("gate", "up", "down")]
+  return [_gate_up(pre + "mlp.gate_up", hf + "mlp."), _transposed(pre + "mlp.down", hf + "mlp.down_proj.weight")]
 
 
 def target_mappings(cfg: Qwen3Config) -> list[Mapping]:

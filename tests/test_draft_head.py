@@ -71,8 +71,8 @@ def reference_logits(hp, cfg, tp, feats, anchor):
       out[:, head] = (w / w.sum(-1, keepdims=True)) @ v[:, kv]
     x = x + np.einsum("tnd,ndh->th", out, p("attn.o_proj"))
     h = _rms(x, p("post_attn_norm.weight"), eps)
-    g = h @ p("mlp.gate")
-    x = x + ((g / (1 + np.exp(-g))) * (h @ p("mlp.up"))) @ p("mlp.down")
+    g = h @ p("mlp.gate_up")[:, 0]
+    x = x + ((g / (1 + np.exp(-g))) * (h @ p("mlp.gate_up")[:, 1])) @ p("mlp.down")
   x = _rms(x, hp["final_norm.weight"], eps)
   return x[1:] @ tp["lm_head"]
 

@@ -147,6 +147,42 @@ def test_checkpoint_of_the_previous_layout_says_to_convert_again(tmp_path):
     checkpoint.restore_params(str(tmp_path / "params"), qwen3.param_specs(DENSE), jnp.float32)
 
 
+def _gate_and_up_apart(params: dict) -> dict:
+  """``params`` as the earlier layout stored them: each dense MLP's gate and up [H, I] apart."""
+  old = {}
+  for k, v in params.items():
+    if k.endswith(".mlp.gate_up"):
+      old[k.removesuffix("gate_up") + "gate"], old[k.removesuffix("gate_up") + "up"] = v[:, 0], v[:, 1]
+    else:
+      old[k] = v
+  return old
+
+
+def test_checkpoint_with_gate_and_up_apart_restores_them_stacked(tmp_path):
+  """A converted checkpoint of the earlier layout (a dense MLP's gate and up stored apart; the MoE layer's stacked
+  experts keep their names) restores with ``mlp.gate_up`` stacked from them, in its sharding."""
+  params = qwen3.init_target(MOE, jax.random.key(3))
+  checkpoint.save_params(str(tmp_path / "params"), _gate_and_up_apart(params))
+  mesh = sharding.make_mesh(4, 2)
+  got = checkpoint.restore_params(str(tmp_path / "params"), qwen3.param_specs(MOE), jnp.float32, mesh)
+  assert set(got) == set(params) and "layers.0.mlp.gate_up" in got and "layers.1.mlp.gate" in got
+  for k in params:
+    np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(params[k]), err_msg=k)
+  assert got["layers.0.mlp.gate_up"].sharding.spec == sharding.named_sharding(("embed", None, "mlp"), (32, 2, 64), mesh).spec
+
+
+def test_training_checkpoint_with_gate_and_up_apart_is_not_resumed(tmp_path):
+  from jetspec_jax.checkpoint import CheckpointStore
+  store = CheckpointStore(str(tmp_path), keep=2)
+  new = {"step": jnp.zeros((), jnp.int32), "params": {"layers.0.mlp.gate_up": jnp.ones((4, 2, 3))}}
+  store.save(3, {"step": new["step"], "params": _gate_and_up_apart(new["params"])}, {"step": 3})
+  store.close()
+  store = CheckpointStore(str(tmp_path), keep=2)
+  with pytest.raises(JetSpecError, match="older JetSpec-JAX .* train into a new output directory"):
+    store.restore(3, new)
+  store.close()
+
+
 def test_training_checkpoint_of_the_previous_layout_is_not_resumed(tmp_path):
   from jetspec_jax.checkpoint import CheckpointStore
   store = CheckpointStore(str(tmp_path), keep=2)

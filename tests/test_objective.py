@@ -129,7 +129,7 @@ def dense_head_hidden(hp, cfg, tp, features, tokens, anchors, visible):
     attn = jnp.einsum("bnts,bnsd->btnd", w, v)
     x = x + jnp.einsum("btnd,ndh->bth", attn, hp[pre + "attn.o_proj"])
     h = rms_norm(x, hp[pre + "post_attn_norm.weight"], cfg.rms_norm_eps)
-    x = x + swiglu(h, hp[pre + "mlp.gate"], hp[pre + "mlp.up"], hp[pre + "mlp.down"])
+    x = x + swiglu(h, hp[pre + "mlp.gate_up"][:, 0], hp[pre + "mlp.gate_up"][:, 1], hp[pre + "mlp.down"])
   return rms_norm(x, hp["final_norm.weight"], cfg.rms_norm_eps).reshape(B, num, BS, -1)
 
 

@@ -41,7 +41,7 @@ def test_sharded_forward_equals_unsharded(name, data, model, hf_dir, jax_target)
     assert _spec_axes(q) == (None, "model", None)
     assert len({s.data.shape for s in q.addressable_shards}) == 1
     assert q.addressable_shards[0].data.shape == (cfg.hidden_size, cfg.num_attention_heads // model, cfg.head_dim)
-    assert "model" in _spec_axes(params["layers.0.mlp.gate"])       # dense MLP or stacked experts
+    assert "model" in _spec_axes(params.get("layers.0.mlp.gate", params.get("layers.0.mlp.gate_up")))  # experts, dense
   else:
     assert all(a is None for a in _spec_axes(q))
   kv_spec = _spec_axes(params["layers.0.attn.k_proj"])

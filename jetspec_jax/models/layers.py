@@ -226,15 +226,16 @@ class RMSNorm(nnx.Module):
 
 
 class MLP(nnx.Module):
-  """SwiGLU MLP: gate/up [H, I], down [I, H]."""
+  """SwiGLU MLP: ``gate_up`` [H, 2, I] (gate and up stacked on axis 1: one matmul, and a model-axis shard of I
+  holds both halves of its columns), ``down`` [I, H]."""
 
   def __init__(self, hidden: int, intermediate: int, *, dtype, rngs: nnx.Rngs):
-    self.gate = param(rngs, (hidden, intermediate), ("embed", "mlp"), dtype)
-    self.up = param(rngs, (hidden, intermediate), ("embed", "mlp"), dtype)
+    self.gate_up = param(rngs, (hidden, 2, intermediate), ("embed", None, "mlp"), dtype)
     self.down = param(rngs, (intermediate, hidden), ("mlp", "embed"), dtype)
 
   def __call__(self, x: jax.Array, mesh=None) -> jax.Array:
-    return swiglu(x, self.gate[...], self.up[...], self.down[...])
+    gate_up = jnp.einsum("...h,hki->...ki", x, self.gate_up[...])
+    return (jax.nn.silu(gate_up[..., 0, :]) * gate_up[..., 1, :]) @ self.down[...]
 
 
 class Attention(nnx.Module):
