@@ -10,7 +10,7 @@ import pytest
 from jetspec_jax.config import Qwen3Config
 from jetspec_jax.errors import JetSpecError
 from jetspec_jax.models import draft_head, qwen3
-from jetspec_jax.models.layers import rms_norm, swiglu
+from jetspec_jax.models.layers import rms_norm, rope, swiglu
 from jetspec_jax.train import objective
 
 TARGET = Qwen3Config(vocab_size=50, hidden_size=24, intermediate_size=40, num_hidden_layers=1,
@@ -111,7 +111,7 @@ def dense_head_hidden(hp, cfg, tp, features, tokens, anchors, visible):
   [B, A*bs, L + A*bs], with k/v projected from concat[ctx, h] as the architecture states it."""
   num = anchors.shape[1]
   head = draft_head.bind(cfg, hp)
-  ctx = head.fuse(features)
+  ctx = head.fuse(features).value()
   block_tokens = jnp.concatenate([jnp.take_along_axis(tokens, anchors, 1)[..., None],
                                   jnp.full((B, num, BS - 1), cfg.mask_token_id)], -1).reshape(B, -1)
   blk_pos = (anchors[..., None] + jnp.arange(BS)).reshape(B, -1)
@@ -121,8 +121,12 @@ def dense_head_hidden(hp, cfg, tp, features, tokens, anchors, visible):
   for i, layer in enumerate(head.layers):
     pre = f"layers.{i}."
     h = rms_norm(x, hp[pre + "input_norm.weight"], cfg.rms_norm_eps)
-    q = layer.attn.queries(h, blk_pos)
-    k, v = layer.attn.keys_values(jnp.concatenate([ctx, h], axis=1), kv_pos)
+    proj = lambda rows, name: jnp.einsum("bth,hnd->btnd", rows, hp[pre + f"attn.{name}_proj"])
+    normed = lambda y, name: rms_norm(y, hp[pre + f"attn.{name}_norm.weight"], cfg.rms_norm_eps)
+    q = rope(normed(proj(h, "q"), "q"), blk_pos, cfg.rope_theta)
+    hk = jnp.concatenate([ctx, h], axis=1)
+    k = rope(normed(proj(hk, "k"), "k"), kv_pos, cfg.rope_theta).transpose(0, 2, 1, 3)
+    v = proj(hk, "v").transpose(0, 2, 1, 3)
     k, v = jnp.repeat(k, group, axis=1), jnp.repeat(v, group, axis=1)         # [B, Hq, L + A*bs, Dh]
     s = jnp.einsum("btnd,bnsd->bnts", q, k) / np.sqrt(cfg.head_dim)
     w = jax.nn.softmax(jnp.where(visible[:, None], s, -jnp.inf), axis=-1)

@@ -26,7 +26,7 @@ from jetspec_jax.config import Qwen3Config, versioned_keys
 from jetspec_jax.errors import JetSpecError
 from jetspec_jax.models import params as P
 from jetspec_jax.models import qwen3
-from jetspec_jax.models.layers import MLP, Attention, DecoderLayer, RMSNorm, cached_attention, write_rows
+from jetspec_jax.models.layers import MLP, Attention, DecoderLayer, NormedRows, RMSNorm, cached_attention, write_rows
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
@@ -155,9 +155,9 @@ class DraftHead(nnx.Module):
         for _ in range(cfg.num_hidden_layers)])
     self.final_norm = RMSNorm(h, eps, dtype=dtype)
 
-  def fuse(self, features: jax.Array) -> jax.Array:
-    """Concatenated target taps [B, R, n_taps*Ht] -> ctx [B, R, H] = RMSNorm(features @ fc)."""
-    return self.hidden_norm(features.astype(self.fc[...].dtype) @ self.fc[...])
+  def fuse(self, features: jax.Array) -> NormedRows:
+    """Concatenated target taps [B, R, n_taps*Ht] -> ctx [B, R, H] = RMSNorm(features @ fc), as normed rows."""
+    return self.hidden_norm.rows(features.astype(self.fc[...].dtype) @ self.fc[...])
 
   def context_kv(self, features: jax.Array, positions: jax.Array) -> list[tuple[jax.Array, jax.Array]]:
     """Every layer's keys/values [B, Hkv, R, Dh] of context rows (taps [B, R, F]) at ``positions`` [B, R]."""

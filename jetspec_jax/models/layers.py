@@ -24,11 +24,38 @@ from jetspec_jax.models.params import param
 Attend = Callable[[jax.Array, jax.Array, jax.Array], tuple[jax.Array, object]]
 
 
+@flax.struct.dataclass
+class NormedRows:
+  """Rows x [..., H] under an RMSNorm with ``weight`` [H] whose per-row float32 ``scale`` [...] =
+  rsqrt(mean(x^2) + eps) is computed but not yet applied. ``project`` applies the scale to a matmul's output
+  instead of its input: (x * weight) @ W * scale, the normed rows' product up to rounding, which XLA:GPU
+  computes as ONE kernel for the norm (x * weight and the scale) and the scale in the matmul's epilogue instead
+  of two kernels before it (docs/gpu.md). ``value()``: the normed rows themselves (``rms_norm``)."""
+  x: jax.Array
+  weight: jax.Array
+  scale: jax.Array
+
+  def project(self, spec: str, w: jax.Array) -> jax.Array:
+    """``jnp.einsum(spec, self.value(), w)`` with the scale applied to the product (``spec``'s output keeps the
+    rows' leading axes first)."""
+    y = jnp.einsum(spec, self.x * self.weight, w, preferred_element_type=jnp.float32)
+    scale = self.scale.reshape(self.scale.shape + (1,) * (y.ndim - self.scale.ndim))
+    return (y * scale).astype(jnp.result_type(self.x, self.weight, w))
+
+  def value(self) -> jax.Array:
+    """The normed rows: float32 x * scale cast back, times the weight (as transformers)."""
+    return self.weight * (self.x.astype(jnp.float32) * self.scale[..., None]).astype(self.x.dtype)
+
+
+def normed_rows(x: jax.Array, weight: jax.Array, eps: float) -> NormedRows:
+  """x [..., H] and its RMSNorm's ``weight`` [H] as ``NormedRows`` (the scale computed in float32)."""
+  xf = x.astype(jnp.float32)
+  return NormedRows(x, weight, jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1) + eps))
+
+
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
   """RMSNorm over the last axis, computed in float32 then cast back (as transformers)."""
-  xf = x.astype(jnp.float32)
-  xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-  return weight * xf.astype(x.dtype)
+  return normed_rows(x, weight, eps).value()
 
 
 def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
@@ -224,6 +251,10 @@ class RMSNorm(nnx.Module):
   def __call__(self, x: jax.Array) -> jax.Array:
     return rms_norm(x, self.weight[...], self.eps)
 
+  def rows(self, x: jax.Array) -> NormedRows:
+    """x normed lazily, for projections (``NormedRows``)."""
+    return normed_rows(x, self.weight[...], self.eps)
+
 
 class MLP(nnx.Module):
   """SwiGLU MLP: ``gate_up`` [H, 2, I] (gate and up stacked on axis 1: one matmul, and a model-axis shard of I
@@ -233,8 +264,9 @@ class MLP(nnx.Module):
     self.gate_up = param(rngs, (hidden, 2, intermediate), ("embed", None, "mlp"), dtype)
     self.down = param(rngs, (intermediate, hidden), ("mlp", "embed"), dtype)
 
-  def __call__(self, x: jax.Array, mesh=None) -> jax.Array:
-    gate_up = jnp.einsum("...h,hki->...ki", x, self.gate_up[...])
+  def __call__(self, h: NormedRows, mesh=None) -> jax.Array:
+    """h: normed rows [..., H] -> [..., H]."""
+    gate_up = h.project("...h,hki->...ki", self.gate_up[...])
     return (jax.nn.silu(gate_up[..., 0, :]) * gate_up[..., 1, :]) @ self.down[...]
 
 
@@ -251,26 +283,26 @@ class Attention(nnx.Module):
     self.k_norm = RMSNorm(head_dim, eps, dtype=dtype)
     self.theta = theta
 
-  def queries(self, h: jax.Array, positions: jax.Array) -> jax.Array:
-    """h [B, T, H], positions [B, T] -> q [B, T, Hq, Dh]."""
-    return rope(self.q_norm(jnp.einsum("bth,hnd->btnd", h, self.q_proj[...])), positions, self.theta)
+  def queries(self, h: NormedRows, positions: jax.Array) -> jax.Array:
+    """h: normed rows [B, T, H], positions [B, T] -> q [B, T, Hq, Dh]."""
+    return rope(self.q_norm(h.project("bth,hnd->btnd", self.q_proj[...])), positions, self.theta)
 
-  def keys_values(self, h: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """h [B, T, H], positions [B, T] -> k, v [B, Hkv, T, Dh] (k normed and rotated)."""
-    k = rope(self.k_norm(jnp.einsum("bth,hnd->btnd", h, self.k_proj[...])), positions, self.theta)
-    v = jnp.einsum("bth,hnd->btnd", h, self.v_proj[...])
+  def keys_values(self, h: NormedRows, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """h: normed rows [B, T, H], positions [B, T] -> k, v [B, Hkv, T, Dh] (k normed and rotated)."""
+    k = rope(self.k_norm(h.project("bth,hnd->btnd", self.k_proj[...])), positions, self.theta)
+    v = h.project("bth,hnd->btnd", self.v_proj[...])
     return k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
 
-  def __call__(self, h: jax.Array, positions: jax.Array, attend: Attend):
-    """o_proj(attend(q, k, v)) over h [B, T, H]; returns ([B, T, H], what ``attend`` kept)."""
+  def __call__(self, h: NormedRows, positions: jax.Array, attend: Attend):
+    """o_proj(attend(q, k, v)) over normed rows h [B, T, H]; returns ([B, T, H], what ``attend`` kept)."""
     k, v = self.keys_values(h, positions)
     out, kept = attend(self.queries(h, positions), k, v)
     return jnp.einsum("btnd,ndh->bth", out, self.o_proj[...]), kept
 
 
 class DecoderLayer(nnx.Module):
-  """One pre-norm Qwen3 decoder layer: x + attn(input_norm(x)), then + mlp(post_attn_norm(x)).
-  ``mlp`` is an ``MLP`` or a ``moe.MoE``."""
+  """One pre-norm Qwen3 decoder layer: x + attn(input_norm(x)), then + mlp(post_attn_norm(x)), each norm handed
+  on as ``NormedRows``. ``mlp`` is an ``MLP`` or a ``moe.MoE``."""
 
   def __init__(self, attn: Attention, mlp: nnx.Module, hidden: int, eps: float, *, dtype):
     self.input_norm = RMSNorm(hidden, eps, dtype=dtype)
@@ -281,7 +313,7 @@ class DecoderLayer(nnx.Module):
   def __call__(self, x: jax.Array, positions: jax.Array, attend: Attend, mesh=None):
     """x [B, T, H] -> ([B, T, H], what ``attend`` kept)."""
     with jax.named_scope("attention"):
-      h, kept = self.attn(self.input_norm(x), positions, attend)
+      h, kept = self.attn(self.input_norm.rows(x), positions, attend)
     x = x + h
     with jax.named_scope("mlp"):
-      return x + self.mlp(self.post_attn_norm(x), mesh), kept
+      return x + self.mlp(self.post_attn_norm.rows(x), mesh), kept

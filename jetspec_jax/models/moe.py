@@ -42,7 +42,7 @@ from flax import nnx
 
 from jetspec_jax.config import Qwen3Config
 from jetspec_jax.errors import JetSpecError
-from jetspec_jax.models.layers import swiglu
+from jetspec_jax.models.layers import NormedRows, swiglu
 from jetspec_jax.models.params import param
 from jetspec_jax.sharding import logical_to_spec
 from pallas_kernels import expert_tiles
@@ -75,8 +75,9 @@ class MoE(nnx.Module):
     self.down = param(rngs, (e, mi, h), axes["down"], dtype)
     self.cfg = cfg
 
-  def __call__(self, x: jax.Array, mesh=None) -> jax.Array:
-    return moe_mlp(x, self.router[...], self.gate[...], self.up[...], self.down[...], self.cfg, mesh)
+  def __call__(self, h: NormedRows, mesh=None) -> jax.Array:
+    """h: normed rows [..., H] -> [..., H]."""
+    return moe_mlp(h.value(), self.router[...], self.gate[...], self.up[...], self.down[...], self.cfg, mesh)
 
 
 def tile_rows(num_rows: int, num_experts: int) -> int:
