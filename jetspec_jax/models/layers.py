@@ -261,7 +261,9 @@ class MLP(nnx.Module):
   holds both halves of its columns), ``down`` [I, H]."""
 
   def __init__(self, hidden: int, intermediate: int, *, dtype, rngs: nnx.Rngs):
-    self.gate_up = param(rngs, (hidden, 2, intermediate), ("embed", None, "mlp"), dtype)
+    # Drawn as gate then up, each [H, I], and stacked: a seed gives the same model as when they were two weights.
+    gate, up = (param(rngs, (hidden, intermediate), ("embed", "mlp"), dtype).get_value() for _ in range(2))
+    self.gate_up = nnx.Param(jnp.stack([gate, up], axis=1), logical_axes=("embed", None, "mlp"))
     self.down = param(rngs, (intermediate, hidden), ("mlp", "embed"), dtype)
 
   def __call__(self, h: NormedRows, mesh=None) -> jax.Array:
