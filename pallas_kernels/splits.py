@@ -16,6 +16,9 @@ def merge_splits(acc: jax.Array, m: jax.Array, l: jax.Array, axis: int, dtype) -
   """acc [..., P, ..., Dh] and m, l (acc's shape without Dh) with the P splits on ``axis`` -> acc's shape without
   ``axis``, in ``dtype``; a row no split saw (every m_s = -inf) is zero."""
   take = lambda x, s: jax.lax.index_in_dim(x, s, axis, keepdims=False)
+  # m and l broadcast over Dh first: every operation is then on acc's shape, so XLA fuses the whole merge (with m
+  # and l per row, it computed their maximum in a kernel of its own past 8 splits rather than once per element).
+  m, l = (jnp.broadcast_to(x[..., None], acc.shape) for x in (m, l))
   splits = range(m.shape[axis])
   m_max = take(m, 0)
   for s in splits[1:]:
@@ -25,5 +28,5 @@ def merge_splits(acc: jax.Array, m: jax.Array, l: jax.Array, axis: int, dtype) -
   for s in splits:
     m_s = take(m, s)
     w = jnp.where(m_s == -jnp.inf, 0.0, jnp.exp2(m_s - m_max))
-    num, den = num + w[..., None] * take(acc, s), den + w * take(l, s)
-  return (num / jnp.where(den == 0.0, 1.0, den)[..., None]).astype(dtype)
+    num, den = num + w * take(acc, s), den + w * take(l, s)
+  return (num / jnp.where(den == 0.0, 1.0, den)).astype(dtype)

@@ -106,17 +106,18 @@ def _greedy_continuation(target_params, view, depth):
   return toks.T                                                                     # [B, D]
 
 
-def oracle_drafter(offset):
-  """A drafter proposing the target's greedy continuation (+offset mod V: always wrong if offset)."""
+def oracle_drafter(right: bool):
+  """A drafter that knows the target's greedy continuation: ``right``, it proposes it (all of its logits' mass
+  there); otherwise every token but it (the continuation's token at -1e9), so whatever the tree's width, no
+  candidate is ever the target's, for any target weights."""
   def drafter(target_params, head_params, view, *, cfg, head_cfg, tree_cfg, attn_impl, mesh):
-    toks = (_greedy_continuation(target_params, view, tree_cfg.depth) + offset) % cfg.vocab_size
-    logits = jnp.where(jax.nn.one_hot(toks, cfg.vocab_size, dtype=bool), 0.0, -1e9)
-    return logits, view.draft_cache
+    hot = jax.nn.one_hot(_greedy_continuation(target_params, view, tree_cfg.depth), cfg.vocab_size, dtype=bool)
+    return jnp.where(hot == right, 0.0, -1e9), view.draft_cache
   return drafter
 
 
-PERFECT = oracle_drafter(0)
-WRONG = oracle_drafter(1)
+PERFECT = oracle_drafter(True)
+WRONG = oracle_drafter(False)
 
 
 @pytest.mark.parametrize("tc", [TreeConfig("chain", 1, 1, 4), TreeConfig("accum_logp", 16, 3, 4)])
