@@ -165,6 +165,23 @@ def test_the_engine_round_reads_paged_pools_with_the_kernels_for_h200():
 
 
 @needs_plugin
+@pytest.mark.parametrize("splits", [8, 16, 32])
+def test_the_split_merge_is_one_kernel_for_h200(splits):
+  """``splits.merge_splits`` of a batch-1 AR step's partials (32 query heads) compiles for one H200 to ONE loop
+  fusion at any split count (the Triton kernel splits 16 ways at batch 1; with the maxima per row, XLA gave them
+  a kernel of their own past 8 splits)."""
+  from jax.sharding import SingleDeviceSharding
+  from jetspec_jax import hlo_cost
+  from pallas_kernels.splits import merge_splits
+  one = SingleDeviceSharding(deviceless.h200_devices(1)[0])
+  shapes = [(1, splits, 1, 32, 128), (1, splits, 1, 32), (1, splits, 1, 32)]
+  args = [jax.ShapeDtypeStruct(s, jnp.float32, sharding=one) for s in shapes]
+  text = jax.jit(lambda *a: merge_splits(*a, axis=1, dtype=jnp.bfloat16)).lower(*args).compile().as_text()
+  comps, entry = hlo_cost.parse(text)
+  assert [k.op for k in hlo_cost.kernels_of(comps, entry)] == ["fusion"], text
+
+
+@needs_plugin
 def test_round_bytes_for_h200_grow_linearly_with_the_layers():
   """bench/round_bytes.py's extrapolation: a round's kernels, bytes and FLOPs at 3 layers are those at 1 and 2
   extended linearly; the round moves more than the AR step, which reads at least its weights."""
