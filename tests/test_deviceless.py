@@ -182,6 +182,17 @@ def test_the_split_merge_is_one_kernel_for_h200(splits):
 
 
 @needs_plugin
+def test_qwen3_8b_ar_step_for_h200_is_16_kernels_per_layer():
+  """The batch-1 AR step of Qwen3-8B for one H200 with the default GPU kernel (``pallas``): one more layer adds at
+  most 16 kernels (docs/gpu.md: norm, q projection, q norm and RoPE, k and v projections, k norm and RoPE, K and
+  V rows written, the kernel, its split merge, o projection, residual add, norm, gate and up, SiLU x up, down and
+  residual add)."""
+  from bench import round_bytes
+  count = lambda layers: len(round_bytes.program_kernels("qwen3_8b", layers, 1, None, 4096, "pallas")[0])
+  assert count(6) - count(5) <= 16
+
+
+@needs_plugin
 def test_round_bytes_for_h200_grow_linearly_with_the_layers():
   """bench/round_bytes.py's extrapolation: a round's kernels, bytes and FLOPs at 3 layers are those at 1 and 2
   extended linearly; the round moves more than the AR step, which reads at least its weights."""
