@@ -50,8 +50,8 @@ def test_smoke_run_writes_every_section(gpu_check, tmp_path, monkeypatch):
   assert profile[1]["unprofiled_us"] / profile[0]["unprofiled_us"] == pytest.approx(ratio["tree_b16"])
   for r in profile:
     # Same unit (us per round) as the trace's own span: a round measured with and without the profiler
-    # (0.65x and 1.04x on one CPU), not a factor of 1000 apart.
-    assert 0.1 < r["span_us"] / r["unprofiled_us"] < 10, r
+    # (0.65x and 1.04x on one CPU, 17.6x for the AR round beside a busy test worker), not a factor of 1000 apart.
+    assert 0.01 < r["span_us"] / r["unprofiled_us"] < 100, r
     # The busy time it implies is the trace's: its busy fraction of its span.
     assert r["busy_fraction_unprofiled"] * r["unprofiled_us"] == pytest.approx(r["busy_fraction"] * r["span_us"])
   assert sorted(os.listdir(tmp_path / "traces")) == ["ar.json.gz", "tree_b16.json.gz"]
