@@ -243,8 +243,9 @@ def engine_program(target: Qwen3Config, head_cfg, plan, mesh, sampling: str = "g
   state: caches sharded as ``qwen3.CACHE_AXES``, per-slot state replicated (``sampling``: ``ENGINE_SAMPLING``)."""
   from jetspec_jax.decode import engine
   program, target_params, head_params, state, small = engine_inputs(target, head_cfg, plan, mesh, sampling, attention)
-  return engine.run_rounds.lower(target_params, head_params, state, small(jax.ShapeDtypeStruct((), jnp.int32)),
-                                 program=program, window=engine.token_window(plan, 1 << 30)).compile()
+  return engine.programs(program).run_rounds.lower(
+      target_params, head_params, state, small(jax.ShapeDtypeStruct((), jnp.int32)), program=program,
+      window=engine.token_window(plan, 1 << 30)).compile()
 
 
 def round_program(target: Qwen3Config, head_cfg, plan, mesh, sampling: str = "greedy", attention: str = "xla",

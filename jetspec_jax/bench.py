@@ -107,7 +107,7 @@ def run(target_params, cfg, head_params, head_cfg, prompts: Sequence[Sequence[in
   modes["ar"] = ar | {"tau": 1.0}
   for name, tree in trees:
     progress(f"{name} ({tree.method}, budget {tree.num_nodes()} nodes, width {tree.width}, depth {tree.depth})")
-    res = time_mode(engines[name], prompts, max_new_tokens, repeats)
+    res = time_mode(engines.pop(name), prompts, max_new_tokens, repeats)   # released once timed
     results = res.pop("results")
     agreement = compare(cfg, target_params, prompts, ar_tokens, [r.tokens for r in results])
     res.update(acceptance(results), num_nodes=tree.num_nodes(), method=tree.method, budget=tree.budget,

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jetspec_jax import banks, bench, cache, convert, files
+from jetspec_jax import banks, bench, cache, convert, files, memory_maps
 from jetspec_jax.errors import JetSpecError
 from jetspec_jax.decode import agreement
 from jetspec_jax.decode.engine import acceptance
@@ -247,7 +247,16 @@ def build_stages(workdir: str | None = None, settings: DemoSettings = DemoSettin
 
 
 def run(workdir: str | None = None, settings: DemoSettings = DemoSettings(), quiet: bool = False) -> dict:
-  """Build (or reuse) every stage, then the bench; returns the measured results (also written to demo.json)."""
+  """Build (or reuse) every stage, then the bench; returns the measured results (also written to demo.json), with
+  the process's peak memory maps (``memory_maps``) over the run."""
+  with memory_maps.Peak() as maps:
+    res = _run(workdir, settings, quiet)
+  res["memory_maps"] = maps.as_dict()
+  files.write_json(os.path.join(res["workdir"], "demo.json"), res, default=str)
+  return res
+
+
+def _run(workdir: str | None, settings: DemoSettings, quiet: bool) -> dict:
   from jetspec_jax.tokenizer import load_tokenizer
   s = settings
   say = (lambda *a: None) if quiet else (lambda *a: print(*a, flush=True))
@@ -290,7 +299,6 @@ def run(workdir: str | None = None, settings: DemoSettings = DemoSettings(), qui
   trees = [m for b in res["bench"].values() for n, m in b["modes"].items() if n != "ar"]
   res["ok"] = bool(res["stages"]["convert"]["round_trip_bit_exact"] and all(m["equals_ar"] for m in trees)
                    and all(b["ar_batch_invariance"]["equals_ar"] for b in res["bench"].values()))
-  files.write_json(os.path.join(root, "demo.json"), res, default=str)
   return res
 
 
@@ -363,6 +371,13 @@ def batch_invariance_text(inv: dict) -> str:
                       (("ar_ties", "parted at a near-tie"), ("parted_elsewhere", "PARTED ELSEWHERE")) for p in inv[part]])
 
 
+def maps_text(maps: dict) -> str:
+  """One line: the run's peak memory maps against the project's budget and the machine's limit."""
+  peak = "?" if maps["peak"] is None else f"{maps['peak']:,}"
+  limit = "?" if maps["limit"] is None else f"{maps['limit']:,}"
+  return f"memory maps: peak {peak} (budget {maps['budget']:,}; this machine's vm.max_map_count {limit})"
+
+
 def summary(res: dict) -> str:
   st = res["stages"]
   lines = [f"target: {st['target'].get('params', st['target'].get('num_params', '?'))} parameters, pretrain loss "
@@ -379,6 +394,6 @@ def summary(res: dict) -> str:
   m = res["machine"]
   lines += [f"machine: {m.get('cpu_model', '?')} ({m.get('cpu_vector_isa', '?')}, L3 {m.get('cpu_l3_cache', '?')}), "
             f"{m['cpu_count']} CPUs, jax {m.get('jax', '?')}; tau moves with the CPU kind, tok/s with the machine "
-            f"(README)", f"head (HF format): {res['head_dir']}", f"everything under {res['workdir']} ({res['seconds']:.0f}s)",
+            f"(README)", maps_text(res["memory_maps"]), f"head (HF format): {res['head_dir']}", f"everything under {res['workdir']} ({res['seconds']:.0f}s)",
             "OK" if res["ok"] else "FAILED"]
   return "\n".join(lines)

@@ -26,6 +26,18 @@ def result(tmp_path_factory):
   return demo.run(str(tmp_path_factory.mktemp("demo")), demo.QUICK, quiet=True)
 
 
+def test_the_whole_bench_list_keeps_memory_maps_under_budget(result):
+  """The reduced demo runs the demo's whole benchmark list (every mode of both banks, tau and speed passes, the
+  untrained head, batch invariance) in this one process: its peak memory maps stay under the project's budget
+  (a program set per engine kept alive passed the kernel's default limit of 65,530 in the full demo)."""
+  from jetspec_jax import memory_maps
+  maps = result["memory_maps"]
+  if maps["peak"] is None:
+    pytest.skip("no /proc: memory maps cannot be counted here")
+  assert maps["peak"] < memory_maps.BUDGET, maps
+  assert demo.maps_text(maps).startswith(f"memory maps: peak {maps['peak']:,}")
+
+
 def test_target_matches_transformers_and_round_trips(result):
   assert result["stages"]["target"]["transformers_max_abs_logit_error"] <= 1e-4
   assert result["stages"]["target"]["final_loss"] < 0.9 * result["stages"]["target"]["initial_loss"]

@@ -130,3 +130,22 @@ def test_bfloat16_generation_runs_on_cpu(hf_dir):
   out = generate(cfg, params, [[1, 2, 3], [4, 5]], 5)
   assert [len(t) for t in out.tokens] == [5, 5]
   assert all(0 <= t < cfg.vocab_size for row in out.tokens for t in row)
+
+
+def test_generate_over_many_prompt_lengths_keeps_memory_maps_bounded(target):
+  """A Python loop calling ``generate`` over 40 distinct prompt lengths in one process: each call's programs are
+  released (``engine.programs`` keeps a few) and prompt capacities round to shared plans, so the process's memory
+  maps (every XLA:CPU executable holds some) stay under the project's budget instead of growing per length."""
+  from jetspec_jax import memory_maps
+  from jetspec_jax.decode import reference
+  cfg, params = target
+  with memory_maps.Peak() as maps:
+    for n in range(1, 41):
+      prompt = [(7 * i + n) % cfg.vocab_size for i in range(n)]
+      out = generate(cfg, params, [prompt], 3)
+      if n in (1, 17, 40):            # one prompt per capacity class: the greedy reference's tokens
+        assert_agree(cfg, params, [prompt], [reference.greedy(cfg, params, prompt, 3)], out.tokens)
+      assert len(out.tokens[0]) == 3
+  if maps.peak is None:
+    pytest.skip("no /proc: memory maps cannot be counted here")
+  assert maps.peak < memory_maps.BUDGET, maps.peak

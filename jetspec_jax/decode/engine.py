@@ -37,6 +37,7 @@ round (``decode.sampling``).
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import time
@@ -335,7 +336,6 @@ def empty_pages(plan: EnginePlan, head_cfg: DraftConfig | None) -> pages.Pages:
   return pages.init_pages(plan.groups, plan.pool_pages(head_cfg) // plan.groups, plan.slots, plan.max_pages(head_cfg))
 
 
-@functools.partial(jax.jit, donate_argnames=("state",))
 def reset(state: EngineState) -> EngineState:
   """``state`` emptied as ``init_state`` makes it (free slots, empty queues, every page free, counters 0), in
   place, its caches kept as they are: no row past a slot's ``prefix_len`` is ever read, and a free slot's is 0."""
@@ -365,7 +365,6 @@ def place(state: EngineState, mesh=None) -> EngineState:
   return state.replace(queue=queue, pages=jax.tree.map(put, state.pages), **small)
 
 
-@functools.partial(jax.jit, donate_argnames=("state",))
 def enqueue(state: EngineState, group: jax.Array, entry: jax.Array, seq: jax.Array, prompt: jax.Array,
             prompt_len: jax.Array, max_new: jax.Array, seed: jax.Array, key: jax.Array, own_key: jax.Array,
             temperature: jax.Array, top_k: jax.Array, top_p: jax.Array, page_keys: jax.Array) -> EngineState:
@@ -389,7 +388,6 @@ def enqueue(state: EngineState, group: jax.Array, entry: jax.Array, seq: jax.Arr
   return state.replace(queue=queue)
 
 
-@functools.partial(jax.jit, donate_argnames=("state",))
 def drop(state: EngineState, group: jax.Array, entry: jax.Array) -> EngineState:
   """Cancel the requests at (group, entry) [R]: their queue entries EMPTY (a QUEUED one is never admitted)
   and the slots holding them free, their pages returned (``_admit`` resets a slot's rows when it takes the next
@@ -968,7 +966,6 @@ def _report(begin: EngineState, s: EngineState, plan: EnginePlan, window: int) -
                 cached_pages=s.pages.cached_count())
 
 
-@functools.partial(jax.jit, static_argnames=("program", "window"), donate_argnames=("state",))
 def run_rounds(target_params, head_params, state: EngineState, max_rounds: jax.Array, *,
                program: RoundProgram, window: int) -> tuple[EngineState, Report]:
   """Rounds until no request is pending or ``max_rounds`` (a traced int: one program serves offline
@@ -999,6 +996,44 @@ def run_rounds(target_params, head_params, state: EngineState, max_rounds: jax.A
   end = jax.lax.while_loop(going, rounds, with_control(state, program))
   end = flush(end, program)         # the call's finished requests in the queue, free slots admitted
   return end, _report(state, end, plan, window)
+
+
+LIVE_PROGRAMS = 4    # program sets (``programs``) kept for reuse beyond those that live engines hold
+
+
+class Programs:
+  """An engine's compiled device functions (``run_rounds`` and the state's ``reset``, ``enqueue`` and ``drop``),
+  each a jit of a function object of its own: jax keys its compiled programs by that object, so they are freed
+  with this set. Every XLA:CPU executable keeps its machine code in memory maps (about three per kernel), and a
+  process may hold at most vm.max_map_count (65,530 by default) of them: compiled programs must not outlive
+  their engines (``programs``)."""
+
+  def __init__(self):
+    self.run_rounds = _owned_jit(run_rounds, static_argnames=("program", "window"), donate_argnames=("state",))
+    self.reset = _owned_jit(reset, donate_argnames=("state",))
+    self.enqueue = _owned_jit(enqueue, donate_argnames=("state",))
+    self.drop = _owned_jit(drop, donate_argnames=("state",))
+
+
+def _owned_jit(fn, **jit_kw):
+  """``jax.jit`` of a new function object calling ``fn`` (same name and signature): compiled programs of its own."""
+  @functools.wraps(fn)
+  def owned(*args, **kw):
+    return fn(*args, **kw)
+  return jax.jit(owned, **jit_kw)
+
+
+_PROGRAMS: collections.OrderedDict = collections.OrderedDict()
+
+
+def programs(program: RoundProgram) -> Programs:
+  """The ``Programs`` of engines running ``program``: shared by every engine with an equal program, the
+  ``LIVE_PROGRAMS`` most recently asked for kept ready; an older set lives on only while an engine holds it."""
+  found = _PROGRAMS.pop(program, None) or Programs()
+  _PROGRAMS[program] = found
+  while len(_PROGRAMS) > LIVE_PROGRAMS:
+    _PROGRAMS.popitem(last=False)
+  return found
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1137,6 +1172,7 @@ class Engine:
     self.mesh, self.drafter = mesh, drafter
     self.transfer_guard, self.on_fetch = transfer_guard, on_fetch
     self.cache_dtype = cache_dtype or target_params["embed"].dtype
+    self.programs = programs(self.program)     # held while this engine lives
     self.state = None
     self._next_id = 0
     self._entries: list[dict[int, int]] = []        # per group: entry -> outstanding request id
@@ -1146,14 +1182,15 @@ class Engine:
   @classmethod
   def for_requests(cls, target_cfg: Qwen3Config, target_params: dict, requests: Sequence[Request], *, slots: int,
                    rows: int | None = None, lanes: int | None = None, prefill_rows: int = 32, groups: int = 1,
+                   max_prompt: int | None = None,
                    tree: TreeConfig | None = None, key_buckets: int = 1, per_request_sampling: bool = False,
                    page_rows: int = 16, pages: int | None = None, prefix_caching: bool = True, **kw) -> "Engine":
-    """An engine whose slot capacity fits ``requests`` (rows default: every slot's whole tree; lanes: one per
-    group; KV ``pages`` of ``page_rows`` rows default: every slot's capacity; ``prefix_caching``: ``EnginePlan``'s)."""
+    """An engine whose slot capacity fits ``requests`` (``max_prompt`` default: their longest prompt; rows default:
+    every slot's whole tree; lanes: one per group; KV ``pages`` of ``page_rows`` rows default: every slot's capacity; ``prefix_caching``: ``EnginePlan``'s)."""
     check_requests(requests, target_cfg)
     nodes = 1 if tree is None else tree.num_nodes()
     plan = EnginePlan(slots=slots, rows=rows or slots * nodes, lanes=lanes or groups, prefill_rows=prefill_rows,
-                      max_prompt=max(len(r.prompt) for r in requests),
+                      max_prompt=max_prompt or max(len(r.prompt) for r in requests),
                       max_new_tokens=max(r.max_new_tokens for r in requests),
                       queue=-(-len(requests) // groups), groups=groups, tree=tree, key_buckets=key_buckets,
                       per_request_sampling=per_request_sampling, page_rows=page_rows, pages=pages,
@@ -1167,7 +1204,7 @@ class Engine:
   def start(self) -> None:
     """A fresh engine state: free slots, empty queues (the previous state's caches reused in place)."""
     if self.state is not None:
-      self.state = reset(self.state)
+      self.state = self.programs.reset(self.state)
     else:
       draft_dtype = None if self.head_params is None else self.head_params["fc"].dtype
       self.state = init_state(self.plan, self.cfg, self.head_cfg, self.cache_dtype, draft_dtype, self.mesh)
@@ -1211,10 +1248,11 @@ class Engine:
       if r.key is not None:
         own[i], keys[i] = True, np.asarray(jax.random.key_data(r.key))
     pad = lambda values, fill: np.asarray(list(values) + [fill] * (cap - n), np.int32)
-    self.state = enqueue(self.state, pad(groups, 0), pad(entries, self.plan.queue), pad(seqs, 0), prompt,
-                         pad([len(r.prompt) for r in requests], 0), pad([r.max_new_tokens for r in requests], 0),
-                         np.uint32(self.sampling.seed), keys, own, settings[:, 0].astype(np.float32),
-                         settings[:, 1].astype(np.int32), settings[:, 2].astype(np.float32), page_keys)
+    self.state = self.programs.enqueue(
+        self.state, pad(groups, 0), pad(entries, self.plan.queue), pad(seqs, 0), prompt,
+        pad([len(r.prompt) for r in requests], 0), pad([r.max_new_tokens for r in requests], 0),
+        np.uint32(self.sampling.seed), keys, own, settings[:, 0].astype(np.float32), settings[:, 1].astype(np.int32),
+        settings[:, 2].astype(np.float32), page_keys)
     for g, e, rid in zip(groups, entries, ids):
       self._entries[g][e] = rid
       self._tokens[rid] = []
@@ -1251,8 +1289,8 @@ class Engine:
     another)."""
     if self.state is None:
       self.start()
-    return run_rounds.trace(self.params, self.head_params, self.state, np.int32(rounds), program=self.program,
-                            window=token_window(self.plan, rounds))
+    return self.programs.run_rounds.trace(self.params, self.head_params, self.state, np.int32(rounds),
+                                          program=self.program, window=token_window(self.plan, rounds))
 
   def lower(self, rounds: int = 1 << 30) -> jax.stages.Lowered:
     """The program ``step`` runs, lowered for this backend (neither run nor donated)."""
@@ -1264,8 +1302,8 @@ class Engine:
     is collected, in dispatch order."""
     if self.state is None:
       self.start()
-    call = lambda: run_rounds(self.params, self.head_params, self.state, np.int32(rounds), program=self.program,
-                              window=token_window(self.plan, rounds))
+    call = lambda: self.programs.run_rounds(self.params, self.head_params, self.state, np.int32(rounds),
+                                            program=self.program, window=token_window(self.plan, rounds))
     if self.transfer_guard is None:
       self.state, report = call()
     else:
@@ -1346,7 +1384,8 @@ class Engine:
       return []
     cap = self.plan.queue * self.plan.groups                  # padded: one program for any number (entry Q: none)
     pad = lambda values, fill: np.asarray(values + [fill] * (cap - len(values)), np.int32)
-    self.state = drop(self.state, pad([g for g, _, _ in hits], 0), pad([e for _, e, _ in hits], self.plan.queue))
+    self.state = self.programs.drop(self.state, pad([g for g, _, _ in hits], 0),
+                                    pad([e for _, e, _ in hits], self.plan.queue))
     for g, e, rid in hits:
       del self._entries[g][e]
       del self._tokens[rid]
@@ -1411,10 +1450,14 @@ def generate(target_cfg: Qwen3Config, target_params: dict, prompts: Sequence[Seq
   slots (default one per prompt) whose prefill lanes take the longest prompt whole in the round it is admitted
   (``prefill_rows`` default); ``kw``: ``Engine.for_requests``' and ``Engine``'s (head_cfg, head_params, tree,
   sampling_cfg, eos_ids, attn_impl, mesh, drafter, groups, rows, lanes, ...). A new engine per call (one
-  compile per plan); hold an ``Engine`` to run many batches."""
+  program per plan: prompt capacities are rounded up to a multiple of ``CACHE_ROWS_MULTIPLE``, so calls whose
+  longest prompts round alike, with the same slots and ``max_new_tokens``, share one; ``programs`` keeps the most
+  recent few); hold an ``Engine`` to run many batches."""
   requests = [Request(list(p), max_new_tokens) for p in prompts]
   check_requests(requests, target_cfg)
-  rows = cache_rows(max(len(p) for p in prompts)) if prefill_rows is None else prefill_rows
+  longest = max(len(p) for p in prompts)
+  capacity = max(longest, min(cache_rows(longest), target_cfg.max_position_embeddings - max_new_tokens))
+  rows = cache_rows(longest) if prefill_rows is None else prefill_rows
   eng = Engine.for_requests(target_cfg, target_params, requests, slots=slots or len(requests), prefill_rows=rows,
-                            **kw)
+                            **{"max_prompt": capacity, **kw})
   return eng.run(requests)
