@@ -4,8 +4,6 @@
 directly (they only apply if jax has not been initialised yet).
 """
 import os
-import shutil
-import tempfile
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -22,20 +20,33 @@ else:
   torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
 
 
+TEST_CACHE_ENV = "JETSPEC_TEST_CACHE"
+TEST_CACHE_MAX_BYTES = 4 << 30     # the compiled programs kept: jax evicts the least recently used past this
+
+
+def test_cache_root() -> str:
+  """What the suite keeps across runs: $JETSPEC_TEST_CACHE, else ~/.cache/jetspec-jax/tests (outside the clone;
+  the suite never deletes it). ``xla/``: compiled programs; ``quick-demo/``: the reduced demo's stages."""
+  return os.environ.get(TEST_CACHE_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "jetspec-jax", "tests")
+
+
 def pytest_configure(config):
-  """A compilation cache on disk for this session only. Many tests build fresh jitted closures of the
-  same programs (a trainer run and its resumed half, a reference and a sharded run), and the in-memory
-  caches are dropped after every module (below). Set before collection, so before the first compile
-  (jax decides once whether the cache is on). The commands that tests run in child processes use it too
-  ($JETSPEC_COMPILATION_CACHE), instead of the user's ~/.cache/jetspec-jax/xla."""
+  """One persistent compilation cache for every pytest process (the controller, each xdist worker) and every
+  command the tests start ($JETSPEC_COMPILATION_CACHE), kept across runs. jax keys an entry by the program, the
+  XLA flags, the jax and jaxlib versions and the backend, so the suite's -O0 programs, jax 0.10 and 0.12 and the
+  device-less stages never collide; jax evicts the least recently used entries past ``TEST_CACHE_MAX_BYTES``
+  (with the filelock package; without it the directory is not pruned: delete it to start over). Set before
+  collection, so before the first compile (jax decides once whether the cache is on)."""
   from jetspec_jax import cache
-  config._xla_cache_dir = tempfile.mkdtemp(prefix="jetspec_xla_cache_")
-  os.environ[cache.COMPILATION_CACHE_ENV] = config._xla_cache_dir
-  cache.use_compilation_cache(config._xla_cache_dir)
-
-
-def pytest_unconfigure(config):
-  shutil.rmtree(getattr(config, "_xla_cache_dir", ""), ignore_errors=True)
+  path = os.path.join(test_cache_root(), "xla")
+  os.makedirs(path, exist_ok=True)
+  os.environ[cache.COMPILATION_CACHE_ENV] = path
+  cache.use_compilation_cache(path)
+  try:
+    import filelock  # noqa: F401  (jax's eviction locks the directory with it)
+  except ImportError:
+    return
+  jax.config.update("jax_compilation_cache_max_size", TEST_CACHE_MAX_BYTES)
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -21,9 +21,20 @@ from jetspec_jax.tokenizer import load_tokenizer
 from jetspec_jax.train import runtime, trainer
 
 
+def quick_demo_dir() -> str:
+  """The reduced demo's work directory, kept across runs like the real demo's (its stage keys cover code, settings
+  and library versions), one per XLA_FLAGS and CPU model: the stages' bits follow both, and
+  test_changed_code_rebuilds_that_stage_and_later_ones compares a rebuild with them bit for bit."""
+  import hashlib
+  from conftest import test_cache_root
+  cpu = demo.bench.machine_info().get("cpu_model", "")
+  tag = hashlib.sha256(f"{os.environ.get('XLA_FLAGS', '')}|{cpu}".encode()).hexdigest()[:12]
+  return os.path.join(test_cache_root(), "quick-demo", tag)
+
+
 @pytest.fixture(scope="module")
-def result(tmp_path_factory):
-  return demo.run(str(tmp_path_factory.mktemp("demo")), demo.QUICK, quiet=True)
+def result():
+  return demo.run(quick_demo_dir(), demo.QUICK, quiet=True)
 
 
 def test_the_whole_bench_list_keeps_memory_maps_under_budget(result):

@@ -998,7 +998,7 @@ def run_rounds(target_params, head_params, state: EngineState, max_rounds: jax.A
   return end, _report(state, end, plan, window)
 
 
-LIVE_PROGRAMS = 4    # program sets (``programs``) kept for reuse beyond those that live engines hold
+LIVE_PROGRAMS = 2    # program sets (``programs``) kept for reuse beyond those that live engines hold
 
 
 class Programs:
