@@ -21,7 +21,7 @@ else:
 
 
 TEST_CACHE_ENV = "JETSPEC_TEST_CACHE"
-TEST_CACHE_MAX_BYTES = 4 << 30     # the compiled programs kept: jax evicts the least recently used past this
+TEST_CACHE_MAX_BYTES = 4 << 30     # compiled programs kept: past this, the oldest go at the next run's start
 
 
 def test_cache_root() -> str:
@@ -30,23 +30,43 @@ def test_cache_root() -> str:
   return os.environ.get(TEST_CACHE_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "jetspec-jax", "tests")
 
 
+def prune(path: str, max_bytes: int) -> None:
+  """Delete the least recently modified files under ``path`` until at most ``max_bytes`` remain. Run by the pytest
+  controller before its workers start: jax's own size limit evicts while other processes write, and its workers
+  then failed to write entries (FileNotFoundError on another entry's access-time file)."""
+  entries = []
+  for folder, _, names in os.walk(path):
+    for name in names:
+      try:
+        st = os.stat(os.path.join(folder, name))
+      except OSError:
+        continue
+      entries.append((st.st_mtime, st.st_size, os.path.join(folder, name)))
+  total = sum(size for _, size, _ in entries)
+  for _, size, file in sorted(entries):
+    if total <= max_bytes:
+      break
+    try:
+      os.remove(file)
+      total -= size
+    except OSError:
+      pass
+
+
 def pytest_configure(config):
   """One persistent compilation cache for every pytest process (the controller, each xdist worker) and every
   command the tests start ($JETSPEC_COMPILATION_CACHE), kept across runs. jax keys an entry by the program, the
   XLA flags, the jax and jaxlib versions and the backend, so the suite's -O0 programs, jax 0.10 and 0.12 and the
-  device-less stages never collide; jax evicts the least recently used entries past ``TEST_CACHE_MAX_BYTES``
-  (with the filelock package; without it the directory is not pruned: delete it to start over). Set before
-  collection, so before the first compile (jax decides once whether the cache is on)."""
+  device-less stages never collide. The controller prunes it to ``TEST_CACHE_MAX_BYTES`` (oldest first) before
+  the workers start. Set before collection, so before the first compile (jax decides once whether the cache is
+  on)."""
   from jetspec_jax import cache
   path = os.path.join(test_cache_root(), "xla")
   os.makedirs(path, exist_ok=True)
+  if not hasattr(config, "workerinput"):          # the controller (or a run without workers)
+    prune(path, TEST_CACHE_MAX_BYTES)
   os.environ[cache.COMPILATION_CACHE_ENV] = path
   cache.use_compilation_cache(path)
-  try:
-    import filelock  # noqa: F401  (jax's eviction locks the directory with it)
-  except ImportError:
-    return
-  jax.config.update("jax_compilation_cache_max_size", TEST_CACHE_MAX_BYTES)
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -125,16 +125,37 @@ def test_the_round_counter_wraps_without_stopping_the_loop():
 
 def test_queue_programs_compile_once_for_any_number_of_requests():
   """enqueue and drop take arrays padded to the queue's capacity: one program each, whatever a call holds."""
-  from jetspec_jax.decode import engine as engine_module
   e = engine(None, slots=2, queue=7)                    # a queue size no other test uses: its programs are new here
   e.start()
-  before = engine_module.enqueue._cache_size(), engine_module.drop._cache_size()
+  before = e.programs.enqueue._cache_size(), e.programs.drop._cache_size()
   for n in (1, 2, 3):
     ids = e.submit(random_requests(10 + n, n, max_new=4))
     e.cancel(ids[: n - 1] or ids)
     e.step()
-  after = engine_module.enqueue._cache_size(), engine_module.drop._cache_size()
+  after = e.programs.enqueue._cache_size(), e.programs.drop._cache_size()
   assert (after[0] - before[0], after[1] - before[1]) == (1, 1), (before, after)
+
+
+def test_compiled_programs_live_with_their_engines():
+  """Engines with equal programs share one ``Programs``; the ``LIVE_PROGRAMS`` most recent sets are kept, and an
+  older one is freed (its compiled executables, and their memory maps, with it) once no engine holds it."""
+  import gc
+  import weakref
+  from jetspec_jax.decode import engine as engine_module
+  sets, held = [], None
+  for queue in range(11, 11 + engine_module.LIVE_PROGRAMS + 2):       # queue sizes no other test uses
+    e = engine(None, queue=queue)
+    assert engine(None, queue=queue).programs is e.programs
+    sets.append(weakref.ref(e.programs))
+    held = held or e                                                   # the first engine lives on
+    del e
+  gc.collect()
+  alive = [r() is not None for r in sets]
+  assert alive == [True] + [False] + [True] * engine_module.LIVE_PROGRAMS, alive
+  assert held.programs is sets[0]()
+  del held
+  gc.collect()
+  assert sets[0]() is None
 
 
 def test_request_ids_past_int32_keep_working():

@@ -11,7 +11,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAYERS = (
     ("pallas_kernels", 0),
     ("jetspec_jax.errors", 1), ("jetspec_jax.config", 1), ("jetspec_jax.sharding", 1), ("jetspec_jax.cache", 1),
-    ("jetspec_jax.stages", 1), ("jetspec_jax.files", 1), ("jetspec_jax.hlo_cost", 1),
+    ("jetspec_jax.stages", 1), ("jetspec_jax.files", 1), ("jetspec_jax.hlo_cost", 1), ("jetspec_jax.memory_maps", 1),
     ("jetspec_jax.attention", 2), ("jetspec_jax.pages", 2),
     ("jetspec_jax.models", 3),
     ("jetspec_jax.checkpoint", 4), ("jetspec_jax.convert", 4), ("jetspec_jax.tokenizer", 4),
