@@ -11,7 +11,6 @@ from __future__ import annotations
 import threading
 
 BUDGET = 20_000                 # the most maps this project's own processes may hold at once
-DEFAULT_LIMIT = 65_530          # Linux's default vm.max_map_count
 
 
 def count(pid: int | str = "self") -> int | None:

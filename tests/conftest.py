@@ -24,7 +24,7 @@ TEST_CACHE_ENV = "JETSPEC_TEST_CACHE"
 TEST_CACHE_MAX_BYTES = 4 << 30     # compiled programs kept: past this, the oldest go at the next run's start
 
 
-def test_cache_root() -> str:
+def suite_cache_root() -> str:
   """What the suite keeps across runs: $JETSPEC_TEST_CACHE, else ~/.cache/jetspec-jax/tests (outside the clone;
   the suite never deletes it). ``xla/``: compiled programs; ``quick-demo/``: the reduced demo's stages."""
   return os.environ.get(TEST_CACHE_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "jetspec-jax", "tests")
@@ -61,7 +61,7 @@ def pytest_configure(config):
   the workers start. Set before collection, so before the first compile (jax decides once whether the cache is
   on)."""
   from jetspec_jax import cache
-  path = os.path.join(test_cache_root(), "xla")
+  path = os.path.join(suite_cache_root(), "xla")
   os.makedirs(path, exist_ok=True)
   if not hasattr(config, "workerinput"):          # the controller (or a run without workers)
     prune(path, TEST_CACHE_MAX_BYTES)

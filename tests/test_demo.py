@@ -26,10 +26,10 @@ def quick_demo_dir() -> str:
   and library versions), one per XLA_FLAGS and CPU model: the stages' bits follow both, and
   test_changed_code_rebuilds_that_stage_and_later_ones compares a rebuild with them bit for bit."""
   import hashlib
-  from conftest import test_cache_root
+  from conftest import suite_cache_root
   cpu = demo.bench.machine_info().get("cpu_model", "")
   tag = hashlib.sha256(f"{os.environ.get('XLA_FLAGS', '')}|{cpu}".encode()).hexdigest()[:12]
-  return os.path.join(test_cache_root(), "quick-demo", tag)
+  return os.path.join(suite_cache_root(), "quick-demo", tag)
 
 
 @pytest.fixture(scope="module")

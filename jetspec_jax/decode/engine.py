@@ -1186,7 +1186,8 @@ class Engine:
                    tree: TreeConfig | None = None, key_buckets: int = 1, per_request_sampling: bool = False,
                    page_rows: int = 16, pages: int | None = None, prefix_caching: bool = True, **kw) -> "Engine":
     """An engine whose slot capacity fits ``requests`` (``max_prompt`` default: their longest prompt; rows default:
-    every slot's whole tree; lanes: one per group; KV ``pages`` of ``page_rows`` rows default: every slot's capacity; ``prefix_caching``: ``EnginePlan``'s)."""
+    every slot's whole tree; lanes: one per group; KV ``pages`` of ``page_rows`` rows default: every slot's
+    capacity; ``prefix_caching``: ``EnginePlan``'s)."""
     check_requests(requests, target_cfg)
     nodes = 1 if tree is None else tree.num_nodes()
     plan = EnginePlan(slots=slots, rows=rows or slots * nodes, lanes=lanes or groups, prefill_rows=prefill_rows,
